@@ -1,0 +1,29 @@
+"""The CLI's console and error policy: one place that decides how errors look.
+
+Library code raises typed errors and logs; only the CLI prints. A :class:`~raydeck.errors.RaydeckError`
+becomes one red line and exit code 2; anything else is a bug and shows its traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from rich.console import Console
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+EXIT_USER_ERROR = 2
+
+
+def setup_logging(level: str) -> None:
+    """raydeck's loggers to stderr at ``level``; Ray's and MLflow's stay quiet."""
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=err_console, show_path=False, show_time=False)
+    root = logging.getLogger("raydeck")
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    root.propagate = False
+    for noisy in ("ray", "mlflow", "alembic", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -1,0 +1,62 @@
+"""The ``raydeck`` command: one Typer app, one module per command group.
+
+Every command loads and validates settings before touching Ray or MLflow, so bad configuration
+fails with exit code 2 and nothing half-created.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.markup import escape
+
+from raydeck.cli import demo, presets, status, tracking
+from raydeck.cli import settings as settings_cmd
+from raydeck.cli._console import EXIT_USER_ERROR, err_console
+
+app = typer.Typer(
+    name="raydeck",
+    help="Ray-native training platform: tracked training, sweeps, storage and dashboards.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        from raydeck._version import __version__
+
+        typer.echo(f"raydeck {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks for errors."),
+) -> None:
+    """raydeck: tracked Ray training with nothing to set up on one machine."""
+
+
+app.command("demo")(demo.demo)
+app.command("status")(status.status)
+app.command("presets")(presets.presets)
+app.add_typer(tracking.app, name="tracking")
+app.add_typer(settings_cmd.app, name="config")
+
+
+def main() -> None:
+    """Entry point: run the app, mapping raydeck's errors to one line and exit code 2."""
+    from raydeck.errors import RaydeckError
+
+    debug = "--debug" in sys.argv
+    try:
+        app()
+    except RaydeckError as exc:
+        if debug:
+            raise
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        sys.exit(EXIT_USER_ERROR)

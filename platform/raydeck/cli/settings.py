@@ -1,0 +1,33 @@
+"""``raydeck config``: show the effective settings (secrets masked) or the settings reference."""
+
+from __future__ import annotations
+
+import typer
+from rich.table import Table
+
+from raydeck.cli._console import console
+
+app = typer.Typer(help="Show raydeck's settings.", no_args_is_help=False)
+
+
+@app.callback(invoke_without_command=True)
+def show(
+    markdown: bool = typer.Option(False, "--markdown",
+                                  help="Print the reference table of every RAYDECK_* variable."),
+) -> None:
+    """Show the effective settings after env, raydeck.toml and defaults (secrets masked)."""
+    from raydeck.config import load_settings, settings_markdown, settings_reference
+
+    if markdown:
+        typer.echo(settings_markdown())
+        return
+    settings = load_settings()
+    table = Table(title="raydeck settings")
+    table.add_column("variable")
+    table.add_column("value")
+    flat = settings.to_env()
+    secret_shown = "******** (set)" if settings.storage.secret_access_key else ""
+    for var, _key, _default, _doc in settings_reference():
+        # Only secrets are missing from to_env(); they are never shown.
+        table.add_row(var, flat.get(var, secret_shown))
+    console.print(table)

@@ -1,0 +1,116 @@
+"""``raydeck status``: is everything raydeck is configured to use reachable?
+
+Checks the Ray cluster (nodes, resources, the tracking proxy), the MLflow tracking backend and
+object storage, prints one table, and exits 2 when something configured cannot be reached.
+"""
+
+from __future__ import annotations
+
+import os
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from raydeck.cli._console import EXIT_USER_ERROR, console, err_console
+
+
+def _ray_rows(address: str, namespace: str) -> tuple[list[tuple[str, str, str]], str | None]:
+    """Rows about Ray, and an error line if a configured cluster is unreachable."""
+    import ray
+
+    from raydeck.cluster import nodes
+    from raydeck.tracking.proxy import find_router
+
+    if address == "local":
+        return [("Ray", "local", "a new local instance per process; nothing to inspect")], None
+    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    try:
+        ray.init(address=target, logging_level="ERROR", log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        if not address and not os.environ.get("RAY_ADDRESS"):
+            return [("Ray", "auto", "no cluster running (`raydeck demo` starts a local one)")], None
+        return [("Ray", target, f"[red]unreachable[/]: {exc}")], (
+            f"Ray cluster at {target!r} is unreachable; start it or fix RAYDECK_RAY_ADDRESS"
+        )
+    rows = []
+    try:
+        for node in nodes():
+            res = node.resources
+            detail = (f"{'head' if node.is_head else 'worker'}, {res.get('CPU', 0):g} CPU, "
+                      f"{res.get('GPU', 0):g} GPU, "
+                      f"{res.get('memory', 0) / 1024**3:.1f} GiB memory")
+            state = "alive" if node.alive else "[red]dead[/]"
+            rows.append((f"Ray node {node.address}", state, detail))
+        available = ray.available_resources()
+        rows.append(("Ray free", "", f"{available.get('CPU', 0):g} CPU, "
+                                     f"{available.get('GPU', 0):g} GPU"))
+        router = find_router(namespace)
+        if router is None:
+            rows.append(("tracking proxy", "not running", "starts with the first tracked run"))
+        else:
+            info = ray.get(router.status.remote(), timeout=15)
+            active = sum(1 for run in info["runs"] if run["state"] == "active")
+            queued = sum(s.get("queued_points", 0) for s in info["shards"])
+            rows.append(("tracking proxy", "running",
+                         f"{len(info['shards'])} shards, {active} active runs, "
+                         f"{queued} points queued"))
+    finally:
+        ray.shutdown()
+    return rows, None
+
+
+def _mlflow_row(uri: str) -> tuple[tuple[str, str, str], str | None]:
+    from raydeck.tracking.router import _redact
+
+    shown = _redact(uri)
+    if uri.startswith("sqlite:///"):
+        path = uri[len("sqlite:///"):]
+        state = "exists" if os.path.exists(path) else "created on first run"
+        return ("MLflow", shown, f"embedded SQLite, {state}"), None
+    if uri.startswith(("http://", "https://")):
+        import requests
+
+        try:
+            answer = requests.get(f"{uri.rstrip('/')}/health", timeout=5)
+            answer.raise_for_status()
+        except requests.RequestException as exc:
+            return ("MLflow", shown, f"[red]unreachable[/]: {type(exc).__name__}"), (
+                f"MLflow tracking server {shown} is unreachable; start it or fix "
+                "RAYDECK_TRACKING_URI"
+            )
+        return ("MLflow", shown, "reachable"), None
+    from mlflow.tracking import MlflowClient
+
+    try:
+        MlflowClient(uri).search_experiments(max_results=1)
+    except Exception as exc:
+        return ("MLflow", shown, f"[red]unreachable[/]: {type(exc).__name__}"), (
+            f"MLflow backend {shown} is unreachable ({type(exc).__name__}); fix "
+            "RAYDECK_TRACKING_URI"
+        )
+    return ("MLflow", shown, "reachable"), None
+
+
+def status() -> None:
+    """Show the Ray cluster, tracking proxy, MLflow and storage; exit 2 if any is unreachable."""
+    from raydeck.config import load_settings
+    from raydeck.storage import health
+
+    settings = load_settings()
+    problems: list[str] = []
+    table = Table(title="raydeck status")
+    for column in ("component", "target/state", "detail"):
+        table.add_column(column)
+    with console.status("checking..."):
+        ray_rows, ray_problem = _ray_rows(settings.ray_address, settings.ray_namespace)
+        mlflow_row, mlflow_problem = _mlflow_row(settings.tracking.uri)
+        storage_rows, storage_problem = health(settings.storage)
+    for row in [*ray_rows, mlflow_row, *storage_rows]:
+        table.add_row(*row)
+    console.print(table)
+    problems = [p for p in (ray_problem, mlflow_problem, storage_problem) if p]
+    for problem in problems:
+        err_console.print(f"[bold red]error:[/] {escape(problem)}", soft_wrap=True)
+    if problems:
+        raise typer.Exit(EXIT_USER_ERROR)

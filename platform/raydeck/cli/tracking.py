@@ -1,0 +1,82 @@
+"""``raydeck tracking status|stop``: inspect and stop the tracking proxy actors."""
+
+from __future__ import annotations
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from raydeck.cli._console import EXIT_USER_ERROR, console, err_console
+
+app = typer.Typer(help="Inspect or stop the tracking proxy.", no_args_is_help=True)
+STATUS_TIMEOUT_S = 30.0
+
+
+def _router():  # type: ignore[no-untyped-def]
+    import ray
+
+    from raydeck.config import load_settings
+    from raydeck.tracking.proxy import find_router
+
+    settings = load_settings()
+    address = settings.ray_address or "auto"
+    try:
+        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+    except (ConnectionError, RuntimeError) as exc:
+        err_console.print(f"[bold red]error:[/] no Ray cluster reachable at {address!r}: "
+                          f"{escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(EXIT_USER_ERROR) from None
+    return find_router(settings.ray_namespace), settings
+
+
+@app.command("status")
+def status() -> None:
+    """Runs the proxy holds and each shard's queue, spool and errors."""
+    import ray
+
+    router, settings = _router()
+    if router is None:
+        console.print(f"tracking proxy not running in namespace {settings.ray_namespace!r}")
+        return
+    info = ray.get(router.status.remote(), timeout=STATUS_TIMEOUT_S)
+    runs = Table(title="runs")
+    for column in ("key", "MLflow run", "name", "mode", "processes", "primary", "state"):
+        runs.add_column(column)
+    for run in info["runs"]:
+        runs.add_row(run["key"], run["run_id"], run["name"], run["mode"],
+                     str(run["participants"]), run["primary"], run["state"])
+    shards = Table(title="shards")
+    for column in ("shard", "state", "received", "written", "queued", "spool bytes",
+                   "replay backlog", "errors", "last error"):
+        shards.add_column(column)
+    for s in info["shards"]:
+        shards.add_row(str(s.get("index")), str(s.get("state")),
+                       str(s.get("points_received", "")), str(s.get("points_written", "")),
+                       str(s.get("queued_points", "")), str(s.get("spool_bytes", "")),
+                       str(s.get("replay_backlog", "")), str(s.get("write_errors", "")),
+                       str(s.get("last_error", ""))[:80])
+    console.print(runs)
+    console.print(shards)
+
+
+@app.command("stop")
+def stop(
+    drain_timeout: float = typer.Option(60.0, help="Seconds to wait for pending data to land."),
+) -> None:
+    """Write what is pending, then stop the router and shards (undrained data stays spooled)."""
+    import ray
+
+    router, settings = _router()
+    if router is None:
+        console.print(f"tracking proxy not running in namespace {settings.ray_namespace!r}")
+        return
+    ref = router.shutdown.remote(drain_timeout)
+    try:
+        drained = ray.get(ref, timeout=drain_timeout + 30)
+    except ray.exceptions.RayActorError:
+        drained = True  # the router stopped itself while answering
+    if drained:
+        console.print("tracking proxy stopped; everything was written")
+    else:
+        console.print("[yellow]tracking proxy stopped with data pending; it stays in the spool "
+                      "and is written by the next proxy[/]")

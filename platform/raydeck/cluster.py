@@ -1,0 +1,100 @@
+"""Connecting a process to Ray with raydeck's settings, and reading the cluster's shape.
+
+Owns: the one ``ray.init`` call raydeck makes (address, namespace, and the runtime env that carries
+raydeck's settings to every worker of the job), and read-only views of nodes and resources.
+Does not own: starting or stopping clusters (``ray start``/compose do that) or job submission.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from raydeck.config import Settings, load_settings
+from raydeck.errors import ClusterUnavailableError
+
+logger = logging.getLogger(__name__)
+
+
+def job_runtime_env(settings: Settings, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The runtime env that makes every task and actor of a job see the driver's settings.
+
+    ``extra`` (a user's runtime env) wins for keys it sets, and its ``env_vars`` are merged over
+    raydeck's. Storage credentials are included only when storage is configured, because Ray
+    Train workers write checkpoints to S3 themselves.
+    """
+    from raydeck.storage import secret_env
+
+    env_vars = {**settings.to_env(), **secret_env(settings.storage)}
+    runtime_env: dict[str, Any] = dict(extra or {})
+    runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
+    return runtime_env
+
+
+def connect(
+    settings: Settings | None = None,
+    *,
+    runtime_env: dict[str, Any] | None = None,
+    log_to_driver: bool = True,
+) -> Settings:
+    """Connect this process to Ray once, as raydeck's settings say; a no-op if already connected.
+
+    An empty ``ray_address`` follows Ray's own rule (``RAY_ADDRESS``, else a cluster started with
+    ``ray start`` on this machine, else a new local instance); ``local`` always starts a new one.
+
+    Returns:
+        The settings used, so callers that passed none can reuse them.
+
+    Raises:
+        ClusterUnavailableError: the configured cluster cannot be reached.
+    """
+    import ray
+
+    settings = settings or load_settings()
+    if ray.is_initialized():
+        return settings
+    address = settings.ray_address or None
+    try:
+        ray.init(
+            address=address,
+            runtime_env=job_runtime_env(settings, runtime_env),
+            log_to_driver=log_to_driver,
+            logging_level=logging.WARNING,
+            configure_logging=True,
+        )
+    except (ConnectionError, TimeoutError) as exc:
+        raise ClusterUnavailableError(
+            f"cannot reach the Ray cluster at {address!r} ({exc}); start it with `ray start "
+            "--head` or set RAYDECK_RAY_ADDRESS / RAY_ADDRESS to a reachable head"
+        ) from None
+    logger.debug("connected to Ray at %s", address or "(auto)")
+    return settings
+
+
+@dataclass(frozen=True)
+class NodeView:
+    """One Ray node as ``raydeck status`` shows it."""
+
+    node_id: str
+    address: str
+    alive: bool
+    is_head: bool
+    resources: dict[str, float]
+
+
+def nodes() -> list[NodeView]:
+    """The nodes Ray knows, alive or dead, head first."""
+    import ray
+
+    views = [
+        NodeView(
+            node_id=n["NodeID"],
+            address=n.get("NodeManagerAddress", ""),
+            alive=bool(n.get("Alive")),
+            is_head="node:__internal_head__" in n.get("Resources", {}),
+            resources={k: float(v) for k, v in n.get("Resources", {}).items()},
+        )
+        for n in ray.nodes()
+    ]
+    return sorted(views, key=lambda v: (not v.is_head, v.address))

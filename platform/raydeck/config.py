@@ -1,0 +1,380 @@
+"""raydeck's settings: one frozen object, read from ``RAYDECK_*`` variables and ``raydeck.toml``.
+
+This module is also the registry of every ``RAYDECK_*`` variable: each field below declares its
+variable (derived from the section's prefix and the field name), type, default and a one-line doc.
+``raydeck config --markdown`` renders the table README shows, and a test keeps the two equal.
+
+Precedence: environment variable > ``raydeck.toml`` (``$RAYDECK_CONFIG`` or ``./raydeck.toml``) >
+default. Defaults make the embedded mode work with nothing set: a local Ray instance, an MLflow
+SQLite file and artifacts under ``./.raydeck/``. Every value is validated once, at load, and a bad
+one raises :class:`~raydeck.errors.ConfigError` naming the variable, the TOML key and what is
+accepted. Secrets are :class:`Secret` objects whose ``repr``/``str`` never show the value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, get_args
+
+from raydeck.errors import ConfigError
+
+CONFIG_FILE_ENV = "RAYDECK_CONFIG"
+DEFAULT_CONFIG_FILE = "raydeck.toml"
+
+TrackingMode = Literal["rank_zero", "all_ranks", "per_rank"]
+NonFinitePolicy = Literal["error", "keep"]
+
+RUN_KEY_PATTERN = re.compile(r"^[\w.\-]{1,128}$")
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_URI_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
+
+
+class Secret:
+    """A credential. Shows as ``'********'`` everywhere; ``reveal()`` is the only way in."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str = "") -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __bool__(self) -> bool:
+        return bool(self._value)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and other._value == self._value
+
+    def __hash__(self) -> int:
+        return hash(self._value)
+
+    def __repr__(self) -> str:
+        return "Secret('********')" if self._value else "Secret('')"
+
+    __str__ = __repr__
+
+
+def setting(default: Any, doc: str) -> Any:
+    """Declare one setting: its default and the line of documentation README shows."""
+    return field(default=default, metadata={"doc": doc})
+
+
+class _Section:
+    """Mixin giving each settings section its variable prefix and TOML table."""
+
+    ENV_PREFIX: ClassVar[str] = "RAYDECK_"
+    TOML_TABLE: ClassVar[str] = ""
+
+    @classmethod
+    def env_name(cls, name: str) -> str:
+        return f"{cls.ENV_PREFIX}{name.upper()}"
+
+    @classmethod
+    def toml_key(cls, name: str) -> str:
+        return f"[{cls.TOML_TABLE}].{name}" if cls.TOML_TABLE else name
+
+    def _reject(self, name: str, rule: str) -> ConfigError:
+        value = getattr(self, name)
+        shown = value if not isinstance(value, Secret) else "<secret>"
+        return ConfigError(
+            f"{self.env_name(name)} (raydeck.toml {self.toml_key(name)}) = {shown!r}: {rule}"
+        )
+
+
+@dataclass(frozen=True)
+class TrackingSettings(_Section):
+    """The tracking proxy and the MLflow server it writes to."""
+
+    ENV_PREFIX: ClassVar[str] = "RAYDECK_TRACKING_"
+    TOML_TABLE: ClassVar[str] = "tracking"
+
+    uri: str = setting("", "MLflow tracking URI; empty means sqlite:///<data_dir>/mlflow.db")
+    artifact_location: str = setting(
+        "", "Artifact root for experiments raydeck creates; empty: S3 if configured, else local"
+    )
+    experiment: str = setting("raydeck", "MLflow experiment for runs that name none")
+    enabled: bool = setting(True, "false turns every tracker into a no-op")
+    mode: str = setting("rank_zero", "rank_zero, all_ranks or per_rank")
+    shards: int = setting(2, "Writer shard actors behind the router")
+    flush_interval_s: float = setting(0.2, "How often a worker's buffer is sent to its shard")
+    max_batch_points: int = setting(20000, "A worker sends early once its buffer holds this many")
+    spool_fsync: bool = setting(False, "fsync the spool on every batch (survives a power cut)")
+    finish_timeout_s: float = setting(60.0, "finish() waits this long for data to land")
+    lost_after_s: float = setting(60.0, "A process silent this long is presumed dead")
+    idle_timeout_s: float = setting(900.0, "The proxy stops itself after this long with no work")
+    system_metrics_interval_s: float = setting(10.0, "System metrics sampling period; 0 is off")
+    capture_logs: bool = setting(True, "Upload each rank's stdout/stderr as logs/rank_<i>.txt")
+    nonfinite: str = setting("error", "NaN/inf metric values: error (reject) or keep")
+    cross_rank_mean: bool = setting(False, "all_ranks mode: also write <key>/mean per step")
+
+    def __post_init__(self) -> None:
+        if self.uri and not re.match(rf"^({'|'.join(_URI_SCHEMES)})(\+\w+)?:", self.uri):
+            raise self._reject(
+                "uri", f"must be a URI with one of the schemes {', '.join(_URI_SCHEMES)}"
+            )
+        if self.mode not in get_args(TrackingMode):
+            raise self._reject("mode", f"must be one of {', '.join(get_args(TrackingMode))}")
+        if self.nonfinite not in get_args(NonFinitePolicy):
+            raise self._reject("nonfinite", "must be 'error' or 'keep'")
+        if not self.experiment.strip():
+            raise self._reject("experiment", "must not be empty")
+        if self.shards < 1 or self.shards > 64:
+            raise self._reject("shards", "must be between 1 and 64")
+        if self.max_batch_points < 1:
+            raise self._reject("max_batch_points", "must be >= 1")
+        for name in ("flush_interval_s", "finish_timeout_s", "lost_after_s", "idle_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise self._reject(name, "must be > 0 seconds")
+        if self.system_metrics_interval_s < 0:
+            raise self._reject("system_metrics_interval_s", "must be >= 0 (0 turns it off)")
+
+
+@dataclass(frozen=True)
+class StorageSettings(_Section):
+    """S3-compatible object storage (MinIO in production) for artifacts and checkpoints."""
+
+    ENV_PREFIX: ClassVar[str] = "RAYDECK_S3_"
+    TOML_TABLE: ClassVar[str] = "storage"
+
+    endpoint: str = setting("", "S3 endpoint URL, e.g. http://minio:9000; empty: no S3")
+    region: str = setting("us-east-1", "S3 region")
+    access_key_id: str = setting("", "S3 access key id")
+    secret_access_key: Secret = setting(Secret(), "S3 secret key (never printed or logged)")
+    artifacts_bucket: str = setting("mlflow", "Bucket for MLflow artifacts")
+    checkpoints_bucket: str = setting("checkpoints", "Bucket for Ray Train checkpoints")
+    prefix: str = setting("raydeck", "Key prefix inside both buckets")
+
+    def __post_init__(self) -> None:
+        if self.endpoint and not re.match(r"^https?://[^/\s]+/?$", self.endpoint):
+            raise self._reject("endpoint", "must look like http(s)://host:port")
+        if self.endpoint and not (self.access_key_id and self.secret_access_key):
+            raise self._reject(
+                "endpoint",
+                "needs RAYDECK_S3_ACCESS_KEY_ID and RAYDECK_S3_SECRET_ACCESS_KEY as well",
+            )
+        bucket_rule = r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$"
+        for name in ("artifacts_bucket", "checkpoints_bucket"):
+            if not re.match(bucket_rule, getattr(self, name)):
+                raise self._reject(name, "must be a valid S3 bucket name (3-63 of a-z 0-9 . -)")
+        if self.prefix.startswith("/") or self.prefix.endswith("/"):
+            raise self._reject("prefix", "must not start or end with '/'")
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.endpoint)
+
+    @property
+    def secure(self) -> bool:
+        return self.endpoint.startswith("https://")
+
+
+@dataclass(frozen=True)
+class Settings(_Section):
+    """All of raydeck's settings. Build with :func:`load_settings`; never mutate."""
+
+    data_dir: Path = setting(Path(".raydeck"), "Where embedded MLflow, spool and checkpoints live")
+    ray_address: str = setting("", "Ray cluster: empty/auto (find or start), local, host:port")
+    ray_namespace: str = setting("raydeck", "Ray namespace of raydeck's named actors")
+    presets_file: str = setting("", "YAML/TOML file with extra scaling presets")
+    run_id: str = setting("", "Shared run id: processes with the same value log to one run")
+    log_level: str = setting("INFO", "Log level of raydeck's loggers")
+    tracking: TrackingSettings = field(default_factory=TrackingSettings)
+    storage: StorageSettings = field(default_factory=StorageSettings)
+
+    def __post_init__(self) -> None:
+        address = self.ray_address
+        if address and address not in ("auto", "local") and not re.match(
+            r"^(ray://|https?://)?[\w.\-]+:\d+$", address
+        ):
+            raise self._reject("ray_address", "must be empty, auto, local or host:port")
+        if not re.match(r"^[\w.\-]+$", self.ray_namespace):
+            raise self._reject("ray_namespace", "may only hold letters, digits, _ . -")
+        if self.run_id and not RUN_KEY_PATTERN.match(self.run_id):
+            raise self._reject("run_id", "may hold 1-128 letters, digits, _ . - only")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+            raise self._reject("log_level", "must be DEBUG, INFO, WARNING or ERROR")
+
+    def to_env(self) -> dict[str, str]:
+        """Every non-secret setting as ``RAYDECK_*`` variables, for Ray runtime envs.
+
+        Values are the resolved ones (absolute data dir, concrete tracking URI), so a worker on
+        another node reads exactly what the driver read. Secrets are left out: they travel through
+        :func:`raydeck.storage.secret_env`, which callers add only where a process needs them.
+        """
+        env: dict[str, str] = {}
+        for section, obj in _sections(self):
+            for f in dataclasses.fields(obj):
+                if f.name in ("tracking", "storage"):
+                    continue
+                value = getattr(obj, f.name)
+                if isinstance(value, Secret):
+                    continue
+                env[section.env_name(f.name)] = _format(value)
+        return env
+
+
+def _sections(settings: Settings) -> list[tuple[type[_Section], Any]]:
+    return [
+        (Settings, settings),
+        (TrackingSettings, settings.tracking),
+        (StorageSettings, settings.storage),
+    ]
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _parse(section: type[_Section], name: str, annotation: Any, raw: Any) -> Any:
+    """Convert an env string or TOML value to the field's type, or raise naming the field."""
+    where = f"{section.env_name(name)} (raydeck.toml {section.toml_key(name)}) = {raw!r}"
+    target = annotation
+    try:
+        if target is bool:
+            if isinstance(raw, bool):
+                return raw
+            text = str(raw).strip().lower()
+            if text in _TRUE:
+                return True
+            if text in _FALSE:
+                return False
+            raise ValueError
+        if target is int:
+            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
+                raise ValueError
+            return int(raw)
+        if target is float:
+            if isinstance(raw, bool):
+                raise ValueError
+            return float(raw)
+        if target is Path:
+            return Path(str(raw))
+        if target is Secret:
+            return Secret(str(raw))
+        return str(raw)
+    except ValueError:
+        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(target, "text")
+        if target is Secret:
+            where = f"{section.env_name(name)} (raydeck.toml {section.toml_key(name)})"
+        raise ConfigError(f"{where}: must be {kind}") from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read ({exc.strerror})") from None
+
+
+def _build(
+    section: type[_Section], env: Mapping[str, str], table: Mapping[str, Any], nested: dict
+) -> Any:
+    known = {f.name for f in dataclasses.fields(section)}  # type: ignore[arg-type]
+    unknown = sorted(set(table) - known - set(nested))
+    if unknown:
+        raise ConfigError(
+            f"raydeck.toml: unknown key(s) {', '.join(unknown)} in "
+            f"{('[' + section.TOML_TABLE + ']') if section.TOML_TABLE else 'the top level'}; "
+            f"known: {', '.join(sorted(known))}"
+        )
+    hints = typing.get_type_hints(section)
+    values: dict[str, Any] = dict(nested)
+    for f in dataclasses.fields(section):  # type: ignore[arg-type]
+        if f.name in nested:
+            continue
+        var = section.env_name(f.name)
+        if var in env:
+            values[f.name] = _parse(section, f.name, hints[f.name], env[var])
+        elif f.name in table:
+            values[f.name] = _parse(section, f.name, hints[f.name], table[f.name])
+    return section(**values)
+
+
+def load_settings(
+    env: Mapping[str, str] | None = None, config_file: str | Path | None = None
+) -> Settings:
+    """Read settings from ``env`` (default ``os.environ``) and the TOML file, validated.
+
+    Args:
+        env: variables to read instead of ``os.environ`` (tests, runtime envs).
+        config_file: TOML file; default ``$RAYDECK_CONFIG`` or ``./raydeck.toml`` if present.
+
+    Returns:
+        The resolved settings: ``data_dir`` absolute, ``tracking.uri`` and
+        ``tracking.artifact_location`` concrete.
+
+    Raises:
+        ConfigError: a value is malformed or a key unknown; the message names it.
+    """
+    env = os.environ if env is None else env
+    path = config_file or env.get(CONFIG_FILE_ENV)
+    document: dict[str, Any] = {}
+    if path:
+        if not Path(path).is_file():
+            raise ConfigError(f"{CONFIG_FILE_ENV} = {str(path)!r}: no such file")
+        document = _read_toml(Path(path))
+    elif Path(DEFAULT_CONFIG_FILE).is_file():
+        document = _read_toml(Path(DEFAULT_CONFIG_FILE))
+
+    tables = {}
+    for section in (TrackingSettings, StorageSettings):
+        table = document.get(section.TOML_TABLE, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"raydeck.toml: [{section.TOML_TABLE}] must be a table")
+        tables[section.TOML_TABLE] = _build(section, env, table, {})
+    top = {k: v for k, v in document.items() if k not in tables}
+    settings: Settings = _build(Settings, env, top, tables)
+    return _resolve(settings)
+
+
+def _resolve(settings: Settings) -> Settings:
+    """Fill the defaults that depend on other settings, so every consumer sees final values."""
+    data_dir = settings.data_dir.expanduser().resolve()
+    tracking = settings.tracking
+    uri = tracking.uri or f"sqlite:///{data_dir / 'mlflow.db'}"
+    artifact_location = tracking.artifact_location
+    if not artifact_location:
+        if settings.storage.configured:
+            artifact_location = (
+                f"s3://{settings.storage.artifacts_bucket}/{settings.storage.prefix}/mlflow"
+            )
+        elif not uri.startswith(("http://", "https://", "databricks")):
+            artifact_location = (data_dir / "mlartifacts").as_uri()
+    tracking = dataclasses.replace(tracking, uri=uri, artifact_location=artifact_location)
+    return dataclasses.replace(settings, data_dir=data_dir, tracking=tracking)
+
+
+def settings_reference() -> list[tuple[str, str, str, str]]:
+    """(variable, TOML key, default, doc) for every setting, in declaration order."""
+    rows = []
+    for section in (Settings, TrackingSettings, StorageSettings):
+        for f in dataclasses.fields(section):  # type: ignore[arg-type]
+            if f.name in ("tracking", "storage"):
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else ""
+            shown = "" if isinstance(default, Secret) else _format(default)
+            rows.append((section.env_name(f.name), section.toml_key(f.name), shown,
+                         f.metadata["doc"]))
+    return rows
+
+
+def settings_markdown() -> str:
+    """The README's settings table, rendered from this registry."""
+    lines = ["| Variable | raydeck.toml key | Default | Meaning |", "|---|---|---|---|"]
+    for var, key, default, doc in settings_reference():
+        lines.append(f"| `{var}` | `{key}` | {f'`{default}`' if default else '(empty)'} | {doc} |")
+    return "\n".join(lines)

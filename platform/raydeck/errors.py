@@ -1,0 +1,53 @@
+"""raydeck's error types.
+
+Every error a user can fix derives from :class:`RaydeckError`. The CLI turns these into one clear
+line and exit code 2 (tracebacks only with ``--debug``); library callers catch them by type.
+Messages name the field, the value and the fix, because the person reading them is usually
+looking at a job log on a cluster, not at our source.
+"""
+
+from __future__ import annotations
+
+
+class RaydeckError(Exception):
+    """Base class for errors a user can act on."""
+
+
+class ConfigError(RaydeckError, ValueError):
+    """A setting, preset, file or argument has a value raydeck cannot use."""
+
+
+class PresetError(ConfigError):
+    """A scaling preset is unknown or invalid."""
+
+
+class InfeasibleResourcesError(RaydeckError):
+    """The cluster can never satisfy a resource request (it would pend forever)."""
+
+
+class ClusterUnavailableError(RaydeckError):
+    """The Ray cluster (or its job server) cannot be reached."""
+
+
+class TrackingUnavailableError(RaydeckError):
+    """The tracking proxy or the MLflow server behind it cannot be reached."""
+
+
+class TrackingValidationError(RaydeckError, ValueError):
+    """Values passed to a tracker break a rule; the good values of the same call were kept.
+
+    ``problems`` maps each rejected key to the rule it broke.
+    """
+
+    def __init__(self, problems: dict[str, str]) -> None:
+        self.problems = dict(problems)
+        detail = "; ".join(f"{key!r}: {rule}" for key, rule in self.problems.items())
+        super().__init__(f"rejected {len(self.problems)} value(s) (others were kept): {detail}")
+
+
+class TrackingWriteError(RaydeckError):
+    """MLflow permanently refused some logged values (they were isolated; the rest landed)."""
+
+
+class StorageError(RaydeckError):
+    """Object storage is unreachable, refuses the credentials or lacks a bucket."""

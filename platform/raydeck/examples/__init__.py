@@ -1,0 +1,1 @@
+"""Reference training jobs that ship with raydeck (data included, nothing to download)."""

@@ -1,0 +1,68 @@
+"""Running a tracked Ray Train job: the driver side of raydeck's training runtime.
+
+Owns: turning a training function, a scaling choice and a tracker into a ``TorchTrainer`` whose
+workers log to the tracker's run, whose checkpoints go to raydeck's storage, and which restarts
+from the latest checkpoint when a worker dies. Does not own: what a checkpoint holds
+(:mod:`raydeck.checkpointing`) or scaling presets (:mod:`raydeck.scaling`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from raydeck.config import Settings
+from raydeck.tracking.client import Tracker
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_FAILURES = 3
+DEFAULT_CHECKPOINTS_TO_KEEP = 2
+
+
+def checkpoint_storage_path(settings: Settings) -> str:
+    """Where Ray Train persists checkpoints: ``<data_dir>/checkpoints`` on one machine."""
+    return str(settings.data_dir / "checkpoints")
+
+
+def fit(
+    train_fn: Callable[[dict[str, Any]], None],
+    *,
+    tracker: Tracker,
+    settings: Settings,
+    train_loop_config: dict[str, Any],
+    scaling_config: Any,
+    max_failures: int = DEFAULT_MAX_FAILURES,
+    checkpoints_to_keep: int = DEFAULT_CHECKPOINTS_TO_KEEP,
+) -> Any:
+    """Fit ``train_fn`` on Ray Train workers, tracked in ``tracker``'s run.
+
+    Args:
+        train_fn: the per-worker training function; it calls ``raydeck.get_tracker()`` and
+            lands in ``tracker``'s run (the RunConfig name binds it).
+        tracker: the driver's tracker for the run.
+        settings: raydeck settings (checkpoint storage).
+        train_loop_config: passed to ``train_fn``.
+        scaling_config: a ``ray.train.ScalingConfig``.
+        max_failures: worker-group restarts from the latest checkpoint before giving up.
+        checkpoints_to_keep: newest checkpoints kept in storage.
+
+    Returns:
+        Ray Train's ``Result``.
+    """
+    from ray.train import CheckpointConfig, FailureConfig
+    from ray.train.torch import TorchTrainer
+
+    run_config = tracker.run_config(
+        storage_path=checkpoint_storage_path(settings),
+        failure_config=FailureConfig(max_failures=max_failures),
+        checkpoint_config=CheckpointConfig(num_to_keep=checkpoints_to_keep),
+    )
+    trainer = TorchTrainer(
+        train_fn,
+        train_loop_config=train_loop_config,
+        scaling_config=scaling_config,
+        run_config=run_config,
+    )
+    return trainer.fit()
