@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import tempfile
 import time
@@ -27,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from raydeck.observability.metrics import training_metrics
 from raydeck.tracking.client import Tracker
 
 logger = logging.getLogger(__name__)
@@ -94,12 +96,16 @@ def report_epoch(
     checkpoint directory is named ``epoch_<NNNNNN>`` so its URI is predictable, and rank 0 records
     it in the run as the tags ``raydeck.checkpoint.latest`` and ``raydeck.checkpoint.epoch_<N>``.
     The metrics are logged to ``tracker`` at ``step=epoch`` after the checkpoint is persisted.
+    Prometheus gets this rank's progress (step, its time, throughput, losses) and the
+    checkpoint's save time and size (:class:`~raydeck.observability.metrics.TrainingMetrics`).
     """
     import ray.train
 
     rank = _rank()
+    progress = training_metrics(tracker.run_name, tracker.parent_run_id, rank)
     timestamp_ms = int(time.time() * 1000)
     with tempfile.TemporaryDirectory(prefix="raydeck-ckpt-") as tmp:
+        save_started = time.perf_counter()
         directory = Path(tmp)
         (directory / _metrics_file(rank)).write_text(
             json.dumps({"epoch": epoch, "timestamp_ms": timestamp_ms, "metrics": metrics})
@@ -119,9 +125,12 @@ def report_epoch(
                 directory / STATE_FILE,
             )
         name = CHECKPOINT_DIR_FORMAT.format(epoch=epoch)
+        size_bytes = sum(entry.stat().st_size for entry in os.scandir(tmp) if entry.is_file())
         ray.train.report(
             metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name
         )
+        progress.checkpoint_saved(time.perf_counter() - save_started, size_bytes)
+    progress.step_reported(epoch, metrics)
     tracker.log_metrics(metrics, step=epoch, timestamp_ms=timestamp_ms)
     if rank == 0:
         uri = checkpoint_uri(name)

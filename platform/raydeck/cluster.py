@@ -8,6 +8,8 @@ Does not own: starting or stopping clusters (``ray start``/compose do that) or j
 from __future__ import annotations
 
 import logging
+import re
+import socket
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +17,25 @@ from raydeck.config import Settings, load_settings
 from raydeck.errors import ClusterUnavailableError
 
 logger = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 3.0
+
+
+def unreachable_reason(address: str) -> str | None:
+    """Why a ``host:port`` (or ``ray://host:port``) cluster address cannot be reached, or None.
+
+    Ray itself retries an absent head for a minute or more before failing; a plain TCP connect
+    tells within seconds, so raydeck fails fast with a clear line instead.
+    """
+    match = re.match(r"^(?:ray://|https?://)?([\w.\-]+):(\d+)$", address)
+    if not match:
+        return None
+    host, port = match.group(1), int(match.group(2))
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_TIMEOUT_S):
+            return None
+    except OSError as exc:
+        return f"{type(exc).__name__}: {exc.strerror or exc}"
 
 
 def job_runtime_env(settings: Settings, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -55,6 +76,12 @@ def connect(
     if ray.is_initialized():
         return settings
     address = settings.ray_address or None
+    reason = unreachable_reason(address) if address else None
+    if reason:
+        raise ClusterUnavailableError(
+            f"cannot reach the Ray cluster at {address!r} ({reason}); start it with `ray start "
+            "--head` or set RAYDECK_RAY_ADDRESS / RAY_ADDRESS to a reachable head"
+        )
     try:
         ray.init(
             address=address,
@@ -70,6 +97,27 @@ def connect(
         ) from None
     logger.debug("connected to Ray at %s", address or "(auto)")
     return settings
+
+
+def connect_existing(address: str) -> None:
+    """Connect to an already running cluster to inspect it; never starts one.
+
+    Raises:
+        ClusterUnavailableError: nothing answers at ``address`` (``auto``: no cluster found).
+    """
+    import ray
+
+    reason = unreachable_reason(address)
+    if reason is None:
+        try:
+            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+            return
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    raise ClusterUnavailableError(
+        f"Ray cluster at {address!r} is unreachable ({reason}); start it or fix "
+        "RAYDECK_RAY_ADDRESS / RAY_ADDRESS"
+    )
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tomllib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
+
+import tomllib
 
 from raydeck.errors import ConfigError
 
@@ -167,6 +168,8 @@ class StorageSettings(_Section):
                 raise self._reject(name, "must be a valid S3 bucket name (3-63 of a-z 0-9 . -)")
         if self.prefix.startswith("/") or self.prefix.endswith("/"):
             raise self._reject("prefix", "must not start or end with '/'")
+        if not self.region.strip():
+            raise self._reject("region", "must not be empty (MinIO's default is us-east-1)")
 
     @property
     def configured(self) -> bool:
@@ -349,8 +352,9 @@ def _resolve(settings: Settings) -> Settings:
     artifact_location = tracking.artifact_location
     if not artifact_location:
         if settings.storage.configured:
-            artifact_location = (
-                f"s3://{settings.storage.artifacts_bucket}/{settings.storage.prefix}/mlflow"
+            storage = settings.storage
+            artifact_location = "s3://" + "/".join(
+                part for part in (storage.artifacts_bucket, storage.prefix, "mlflow") if part
             )
         elif not uri.startswith(("http://", "https://", "databricks")):
             artifact_location = (data_dir / "mlartifacts").as_uri()

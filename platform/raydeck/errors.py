@@ -51,3 +51,11 @@ class TrackingWriteError(RaydeckError):
 
 class StorageError(RaydeckError):
     """Object storage is unreachable, refuses the credentials or lacks a bucket."""
+
+
+class MonitoringError(RaydeckError):
+    """Prometheus or Grafana cannot be reached or refuses the request (URL or token)."""
+
+
+class QueryError(MonitoringError):
+    """Prometheus rejected a PromQL expression (the message holds Prometheus' reason)."""

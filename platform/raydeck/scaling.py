@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from raydeck.errors import InfeasibleResourcesError, PresetError
 

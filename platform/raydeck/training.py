@@ -22,8 +22,16 @@ DEFAULT_CHECKPOINTS_TO_KEEP = 2
 
 
 def checkpoint_storage_path(settings: Settings) -> str:
-    """Where Ray Train persists checkpoints: ``<data_dir>/checkpoints`` on one machine."""
-    return str(settings.data_dir / "checkpoints")
+    """Where Ray Train persists checkpoints, as a URI a user reads.
+
+    The checkpoint bucket (``s3://<bucket>/<prefix>``) when object storage is configured, else
+    ``<data_dir>/checkpoints`` on one machine. A ``RunConfig`` also needs the filesystem that
+    carries the endpoint and credentials: build it from
+    ``raydeck.storage.checkpoint_storage(settings).run_config_kwargs()``, as :func:`fit` does.
+    """
+    from raydeck.storage import checkpoint_storage
+
+    return checkpoint_storage(settings).uri
 
 
 def fit(
@@ -50,12 +58,19 @@ def fit(
 
     Returns:
         Ray Train's ``Result``.
+
+    Raises:
+        StorageError: object storage is configured but unreachable, refuses the credentials
+            or lacks a bucket (checked before any worker starts).
     """
     from ray.train import CheckpointConfig, FailureConfig
     from ray.train.torch import TorchTrainer
 
+    from raydeck.storage import checkpoint_storage, verify
+
+    verify(settings.storage)
     run_config = tracker.run_config(
-        storage_path=checkpoint_storage_path(settings),
+        **checkpoint_storage(settings).run_config_kwargs(),
         failure_config=FailureConfig(max_failures=max_failures),
         checkpoint_config=CheckpointConfig(num_to_keep=checkpoints_to_keep),
     )

@@ -1,7 +1,8 @@
 """The CLI's console and error policy: one place that decides how errors look.
 
-Library code raises typed errors and logs; only the CLI prints. A :class:`~raydeck.errors.RaydeckError`
-becomes one red line and exit code 2; anything else is a bug and shows its traceback.
+Library code raises typed errors and logs; only the CLI prints. A
+:class:`~raydeck.errors.RaydeckError` becomes one red line and exit code 2; anything else is a
+bug and shows its traceback.
 """
 
 from __future__ import annotations

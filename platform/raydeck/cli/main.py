@@ -11,7 +11,7 @@ import sys
 import typer
 from rich.markup import escape
 
-from raydeck.cli import demo, presets, status, tracking
+from raydeck.cli import demo, presets, status, storage, tracking
 from raydeck.cli import settings as settings_cmd
 from raydeck.cli._console import EXIT_USER_ERROR, err_console
 
@@ -46,6 +46,7 @@ app.command("status")(status.status)
 app.command("presets")(presets.presets)
 app.add_typer(tracking.app, name="tracking")
 app.add_typer(settings_cmd.app, name="config")
+app.add_typer(storage.app, name="storage")
 
 
 def main() -> None:

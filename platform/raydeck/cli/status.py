@@ -19,20 +19,19 @@ def _ray_rows(address: str, namespace: str) -> tuple[list[tuple[str, str, str]],
     """Rows about Ray, and an error line if a configured cluster is unreachable."""
     import ray
 
-    from raydeck.cluster import nodes
+    from raydeck.cluster import connect_existing, nodes
+    from raydeck.errors import ClusterUnavailableError
     from raydeck.tracking.proxy import find_router
 
     if address == "local":
         return [("Ray", "local", "a new local instance per process; nothing to inspect")], None
     target = address or os.environ.get("RAY_ADDRESS") or "auto"
     try:
-        ray.init(address=target, logging_level="ERROR", log_to_driver=False)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        if not address and not os.environ.get("RAY_ADDRESS"):
+        connect_existing(target)
+    except ClusterUnavailableError as exc:
+        if target == "auto":
             return [("Ray", "auto", "no cluster running (`raydeck demo` starts a local one)")], None
-        return [("Ray", target, f"[red]unreachable[/]: {exc}")], (
-            f"Ray cluster at {target!r} is unreachable; start it or fix RAYDECK_RAY_ADDRESS"
-        )
+        return [("Ray", target, "[red]unreachable[/]")], str(exc)
     rows = []
     try:
         for node in nodes():

@@ -2,30 +2,25 @@
 
 from __future__ import annotations
 
+import os
+
 import typer
-from rich.markup import escape
 from rich.table import Table
 
-from raydeck.cli._console import EXIT_USER_ERROR, console, err_console
+from raydeck.cli._console import console
 
 app = typer.Typer(help="Inspect or stop the tracking proxy.", no_args_is_help=True)
 STATUS_TIMEOUT_S = 30.0
 
 
 def _router():  # type: ignore[no-untyped-def]
-    import ray
-
+    """The running proxy's router (or None) and the settings; raises if no cluster answers."""
+    from raydeck.cluster import connect_existing
     from raydeck.config import load_settings
     from raydeck.tracking.proxy import find_router
 
     settings = load_settings()
-    address = settings.ray_address or "auto"
-    try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False)
-    except (ConnectionError, RuntimeError) as exc:
-        err_console.print(f"[bold red]error:[/] no Ray cluster reachable at {address!r}: "
-                          f"{escape(str(exc))}", soft_wrap=True)
-        raise typer.Exit(EXIT_USER_ERROR) from None
+    connect_existing(settings.ray_address or os.environ.get("RAY_ADDRESS") or "auto")
     return find_router(settings.ray_namespace), settings
 
 
@@ -64,17 +59,13 @@ def stop(
     drain_timeout: float = typer.Option(60.0, help="Seconds to wait for pending data to land."),
 ) -> None:
     """Write what is pending, then stop the router and shards (undrained data stays spooled)."""
-    import ray
+    from raydeck.tracking.proxy import stop_proxy
 
     router, settings = _router()
     if router is None:
         console.print(f"tracking proxy not running in namespace {settings.ray_namespace!r}")
         return
-    ref = router.shutdown.remote(drain_timeout)
-    try:
-        drained = ray.get(ref, timeout=drain_timeout + 30)
-    except ray.exceptions.RayActorError:
-        drained = True  # the router stopped itself while answering
+    drained = stop_proxy(settings.ray_namespace, drain_timeout)
     if drained:
         console.print("tracking proxy stopped; everything was written")
     else:

@@ -16,6 +16,7 @@ Train run the process belongs to, or a new run. A process whose mode makes it si
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -369,7 +370,8 @@ class Tracker:
                 (default ``RAYDECK_TRACKING_FINISH_TIMEOUT_S``); the data stays buffered.
         """
         self._raise_kept_error()
-        self._deliver_all(time.monotonic() + (timeout_s or self._settings.tracking.finish_timeout_s))
+        timeout_s = timeout_s or self._settings.tracking.finish_timeout_s
+        self._deliver_all(time.monotonic() + timeout_s)
 
     def _take_batch(self) -> Batch | None:
         with self._lock:
@@ -507,10 +509,8 @@ class Tracker:
         deadline = time.monotonic() + timeout_s
         _forget(self)
         for stream in (sys.stdout, sys.stderr):
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 stream.flush()
-            except (OSError, ValueError):
-                pass
         self._capture_console()
         try:
             self._deliver_all(deadline)

@@ -112,7 +112,8 @@ class Router:
 
     def _drained(self) -> bool:
         return all(
-            s.get("queued_points") == 0 and not s.get("runs_pending") and s.get("queued_batches") == 0
+            s.get("queued_points") == 0 and s.get("queued_batches") == 0
+            and not s.get("runs_pending")
             for s in self._shard_stats()
         )
 
@@ -171,6 +172,18 @@ def find_router(namespace: str) -> Any | None:
         return ray.get_actor(ROUTER_NAME, namespace=namespace)
     except ValueError:
         return None
+
+
+def stop_proxy(namespace: str, drain_timeout_s: float) -> bool | None:
+    """Drain and stop the proxy in ``namespace``; None if none runs, else whether all landed."""
+    router = find_router(namespace)
+    if router is None:
+        return None
+    try:
+        return bool(ray.get(router.shutdown.remote(drain_timeout_s),
+                            timeout=drain_timeout_s + STATS_TIMEOUT_S * 3))
+    except ray.exceptions.RayActorError:
+        return True  # the router stopped itself while answering, after draining
 
 
 def get_shard(namespace: str, index: int) -> Any:

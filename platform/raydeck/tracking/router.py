@@ -164,6 +164,12 @@ class RouterCore:
                 self._reopen(run)
             return run, False
         found = self._find_in_mlflow(key, request.experiment)
+        if found is None and _MLFLOW_RUN_ID.match(key):
+            raise ConfigError(
+                f"run id {key!r} looks like an MLflow run id, but MLflow at "
+                f"{_redact(self.config.tracking_uri)} has no such run; pass an existing run id, "
+                "or a name of your own (letters, digits, _ . -) to create a shared run"
+            )
         if found is not None:
             run = _Run(
                 key=key, run_id=found.info.run_id, experiment_id=found.info.experiment_id,

@@ -269,6 +269,7 @@ class ShardCore:
                 self.last_error = str(exc)
                 self.write_errors += 1
                 self.metrics.count_error("transient")
+                self._report_levels()
                 if attempt == 0:
                     logger.warning("shard %d: MLflow write failed, retrying: %s",
                                    self.config.index, exc)

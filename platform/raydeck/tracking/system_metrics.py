@@ -40,7 +40,9 @@ class SystemSampler:
         }
         disk = psutil.disk_io_counters()
         if disk is not None and self._last_disk is not None:
-            values["disk_read_mb_s"] = (disk.read_bytes - self._last_disk.read_bytes) / _MB / elapsed
+            values["disk_read_mb_s"] = (
+                (disk.read_bytes - self._last_disk.read_bytes) / _MB / elapsed
+            )
             values["disk_write_mb_s"] = (
                 (disk.write_bytes - self._last_disk.write_bytes) / _MB / elapsed
             )

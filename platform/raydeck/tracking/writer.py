@@ -96,7 +96,8 @@ class MlflowWriter:
         rejected: list[str],
     ) -> None:
         try:
-            self.client.log_batch(run_id, metrics=metrics, params=params, tags=tags, synchronous=True)
+            self.client.log_batch(run_id, metrics=metrics, params=params, tags=tags,
+                                  synchronous=True)
             return
         except Exception as exc:
             if self.policy.is_transient(exc):

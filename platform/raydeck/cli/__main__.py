@@ -1,0 +1,5 @@
+"""``python -m raydeck.cli`` runs the ``raydeck`` command."""
+
+from raydeck.cli.main import main
+
+main()

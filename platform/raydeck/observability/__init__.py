@@ -1,0 +1,14 @@
+"""Observability: the metrics raydeck exports, the Prometheus that scrapes them, the dashboards.
+
+- :mod:`raydeck.observability.metrics`: every metric raydeck exports through Ray's per-node
+  metrics agent (the registry README's table is rendered from) and the small recording APIs
+  training, sweeps and storage call.
+- :mod:`raydeck.observability.prometheus`: the Prometheus configuration ``raydeck monitoring
+  config`` writes, and a small client for Prometheus' HTTP query API.
+- :mod:`raydeck.observability.alerts`: alert rules as data, rendered to Prometheus rule files.
+- :mod:`raydeck.observability.dashboards`: dashboards as data, rendered to Grafana JSON, pushed
+  to Grafana and checked against Prometheus.
+
+Nothing is imported here so that ``import raydeck.observability.dashboards`` (the CLI's render
+and push) does not import Ray.
+"""

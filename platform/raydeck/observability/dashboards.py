@@ -1,0 +1,661 @@
+"""Dashboards as code: panel definitions rendered to Grafana JSON, pushed, and checked.
+
+Owns: the dashboard model (:class:`Dashboard`, :class:`Row`, :class:`Panel`, :class:`Target`,
+:class:`Variable`), its deterministic rendering to Grafana dashboard JSON, loading the
+definitions in ``dashboards/*.py`` (and the alert rules in ``dashboards/alerts/rules.py``),
+the Grafana provisioning files, ``push`` (dashboards, folders and the Prometheus datasource
+through the Grafana HTTP API) and ``check`` (every panel's query against a Prometheus).
+Does not own: which panels exist (``dashboards/*.py``) or the metrics they read
+(:mod:`raydeck.observability.metrics`).
+
+Why hand-written dataclasses and not a library: raydeck emits four kinds of JSON object
+(dashboard, row, panel, variable) in the stable subset of Grafana's schema that Grafana migrates
+forward, and needs a model that tests and ``check`` can walk (every target's PromQL, why a panel
+may be empty). That is ~300 lines, the same choice Ray made for its own dashboards
+(``ray/dashboard/modules/metrics/dashboards/*_panels.py``). grafanalib would add a dependency
+whose last release (0.7.1, January 2024) predates current Grafana panel options and whose
+maintainer has shut down; grafana-foundation-sdk is generated per Grafana release (versions are
+tied to a Grafana version) and its builder API is far larger than what we use. Either way we
+would still wrap it to keep the walkable model.
+
+Rendering is deterministic: ids are assigned in order, keys are sorted, nothing depends on time,
+so ``raydeck dashboards render --check`` (and a test) can demand that the committed JSON equals
+a fresh render.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+import yaml
+
+from raydeck.config import Secret
+from raydeck.errors import ConfigError, MonitoringError, QueryError
+from raydeck.observability.alerts import RULES_FILE_NAME, RuleGroup, render_rules
+from raydeck.observability.prometheus import CLUSTER_LABEL, PrometheusClient, prometheus_duration
+
+PanelKind = Literal["timeseries", "stat"]
+
+GRID_WIDTH = 24
+SCHEMA_VERSION = 39
+DATASOURCE_UID = "raydeck-prometheus"
+DATASOURCE_NAME = "Prometheus (raydeck)"
+DATASOURCE_REF = {"type": "prometheus", "uid": "${datasource}"}
+FOLDER_UID = "raydeck"
+FOLDER_TITLE = "raydeck"
+RAY_FOLDER_UID = "raydeck-ray"
+RAY_FOLDER_TITLE = "Ray"
+RENDERED_DIR = "grafana"
+ALERTS_DIR = "alerts"
+RULES_DEFINITION = "rules.py"
+PROVISIONING_DIR = "provisioning"
+# Where the compose stack's Grafana container finds raydeck's JSON and the Ray head's temp dir.
+GRAFANA_DASHBOARDS_PATH = "/etc/grafana/dashboards/raydeck"
+GRAFANA_RAY_DASHBOARDS_PATH = "/tmp/ray/session_latest/metrics/grafana/dashboards"
+GRAFANA_PROMETHEUS_URL = "http://prometheus:9090"
+# Grafana's own variables, which `check` replaces with concrete values.
+BUILTIN_VARIABLES = ("__rate_interval", "__interval", "__range")
+PUSH_TIMEOUT_S = 30.0
+DEFAULT_CHECK_RANGE_S = 900.0
+DEFAULT_CHECK_STEP_S = 15.0
+DEFAULT_RATE_INTERVAL_S = 60.0
+
+_VARIABLE_REF = re.compile(r"\$\{(\w+)\}|\$(\w+)")
+_UID = re.compile(r"^[a-z0-9][a-z0-9\-]{0,39}$")
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """A colour step: values at or above ``value`` are drawn in ``color``."""
+
+    value: float
+    color: str
+
+
+@dataclass(frozen=True)
+class Target:
+    """One PromQL query of a panel; ``legend`` is Grafana's legend format (``{{run}}``)."""
+
+    expr: str
+    legend: str = ""
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One panel.
+
+    Attributes:
+        title: shown on the panel.
+        targets: its queries.
+        unit: Grafana unit id (``s``, ``bytes``, ``percent``, ``short``, ``reqps``, ...).
+        description: the info tooltip: what the panel shows and what to do about it.
+        kind: ``timeseries`` or ``stat``.
+        thresholds: colour steps above the base colour (green).
+        width, height: grid size (the grid is 24 wide).
+        stack: stack the series (timeseries only).
+        empty_ok: why the panel may legitimately show no data (``needs GPUs``); ``check``
+            reports such a panel as expected-empty instead of failing.
+    """
+
+    title: str
+    targets: tuple[Target, ...]
+    unit: str = "short"
+    description: str = ""
+    kind: PanelKind = "timeseries"
+    thresholds: tuple[Threshold, ...] = ()
+    width: int = 12
+    height: int = 8
+    stack: bool = False
+    empty_ok: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            raise ValueError(f"panel {self.title!r}: needs at least one target")
+        if self.kind not in get_args(PanelKind):
+            raise ValueError(f"panel {self.title!r}: kind {self.kind!r} is not one of "
+                             f"{', '.join(get_args(PanelKind))}")
+        if not 1 <= self.width <= GRID_WIDTH:
+            raise ValueError(f"panel {self.title!r}: width must be 1..{GRID_WIDTH}")
+
+
+@dataclass(frozen=True)
+class Row:
+    """A titled row of panels."""
+
+    title: str
+    panels: tuple[Panel, ...]
+
+
+@dataclass(frozen=True)
+class Variable:
+    """A query template variable (a dropdown filled by ``label_values(...)``).
+
+    Attributes:
+        name: used as ``$name`` in queries.
+        label: the dropdown's label.
+        query: Grafana's Prometheus variable query, e.g. ``label_values(metric, label)``.
+        description: tooltip.
+        all_value: regex used for "All"; ``.*`` also matches series without the label.
+    """
+
+    name: str
+    label: str
+    query: str
+    description: str = ""
+    all_value: str = ".*"
+
+
+@dataclass(frozen=True)
+class Dashboard:
+    """One Grafana dashboard; ``uid`` is stable so links and pushes keep working.
+
+    Raises:
+        ValueError: a bad uid, duplicate panel titles, or a query that uses a variable the
+            dashboard does not define.
+    """
+
+    uid: str
+    title: str
+    description: str
+    rows: tuple[Row, ...]
+    variables: tuple[Variable, ...] = ()
+    tags: tuple[str, ...] = ("raydeck",)
+    refresh: str = "30s"
+    time_from: str = "now-1h"
+
+    def __post_init__(self) -> None:
+        if not _UID.match(self.uid):
+            raise ValueError(f"dashboard uid {self.uid!r}: 1-40 of a-z 0-9 - (stable, in URLs)")
+        titles = [p.title for p in self.panels()]
+        duplicates = sorted({t for t in titles if titles.count(t) > 1})
+        if duplicates:
+            raise ValueError(f"dashboard {self.uid}: duplicate panel title(s) {duplicates}")
+        defined = {v.name for v in self.variables} | {"datasource", *BUILTIN_VARIABLES}
+        for panel in self.panels():
+            for target in panel.targets:
+                missing = variables_used(target.expr) - defined
+                if missing:
+                    raise ValueError(f"dashboard {self.uid}, panel {panel.title!r}: undefined "
+                                     f"variable(s) {sorted(missing)}")
+
+    def panels(self) -> list[Panel]:
+        return [panel for row in self.rows for panel in row.panels]
+
+    def render(self) -> dict[str, Any]:
+        """Grafana dashboard JSON (the model Grafana's API and file provisioning accept)."""
+        panels: list[dict[str, Any]] = []
+        next_id = 1
+        y = 0
+        for row in self.rows:
+            panels.append({"id": next_id, "type": "row", "title": row.title, "collapsed": False,
+                           "panels": [], "gridPos": {"x": 0, "y": y, "w": GRID_WIDTH, "h": 1}})
+            next_id += 1
+            y += 1
+            x, line_height = 0, 0
+            for panel in row.panels:
+                if x + panel.width > GRID_WIDTH:
+                    x, y, line_height = 0, y + line_height, 0
+                panels.append(_render_panel(panel, next_id, x, y))
+                next_id += 1
+                x += panel.width
+                line_height = max(line_height, panel.height)
+            y += line_height
+        return {
+            "id": None,
+            "uid": self.uid,
+            "title": self.title,
+            "description": self.description,
+            "tags": list(self.tags),
+            "editable": True,
+            "graphTooltip": 1,
+            "schemaVersion": SCHEMA_VERSION,
+            "version": 1,
+            "refresh": self.refresh,
+            "time": {"from": self.time_from, "to": "now"},
+            "timezone": "browser",
+            "annotations": {"list": []},
+            "links": [{"type": "dashboards", "tags": ["raydeck"], "asDropdown": True,
+                       "title": "raydeck", "includeVars": True, "keepTime": True}],
+            "templating": {"list": [_datasource_variable(),
+                                    *(_render_variable(v) for v in self.variables)]},
+            "panels": panels,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.render(), indent=2, sort_keys=True) + "\n"
+
+
+def variables_used(expr: str) -> set[str]:
+    """Names of the ``$var``/``${var}`` references in ``expr``."""
+    return {a or b for a, b in _VARIABLE_REF.findall(expr)}
+
+
+def substitute(expr: str, values: Mapping[str, str]) -> str:
+    """``expr`` with every ``$var``/``${var}`` replaced by ``values[var]``.
+
+    Raises:
+        ConfigError: ``expr`` uses a variable ``values`` lacks.
+    """
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in values:
+            raise ConfigError(f"query uses ${name}, which has no value: {expr}")
+        return values[name]
+
+    return _VARIABLE_REF.sub(replace, expr)
+
+
+def _render_panel(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
+    description = panel.description
+    if panel.empty_ok:
+        description = f"{description} Empty when: {panel.empty_ok}.".strip()
+    steps: list[dict[str, Any]] = [{"color": "green", "value": None}]
+    steps += [{"color": t.color, "value": t.value} for t in panel.thresholds]
+    defaults: dict[str, Any] = {"unit": panel.unit,
+                                "thresholds": {"mode": "absolute", "steps": steps}}
+    rendered: dict[str, Any] = {
+        "id": panel_id,
+        "type": panel.kind,
+        "title": panel.title,
+        "description": description,
+        "datasource": DATASOURCE_REF,
+        "gridPos": {"x": x, "y": y, "w": panel.width, "h": panel.height},
+        "targets": [
+            {"refId": chr(ord("A") + i), "datasource": DATASOURCE_REF, "expr": t.expr,
+             "legendFormat": t.legend, "range": True, "instant": False}
+            for i, t in enumerate(panel.targets)
+        ],
+    }
+    if panel.kind == "timeseries":
+        defaults["custom"] = {"drawStyle": "line", "lineWidth": 1, "fillOpacity": 10,
+                              "showPoints": "never", "spanNulls": False,
+                              "stacking": {"mode": "normal" if panel.stack else "none",
+                                           "group": "A"}}
+        rendered["options"] = {"legend": {"displayMode": "list", "placement": "bottom",
+                                          "showLegend": True},
+                               "tooltip": {"mode": "multi", "sort": "desc"}}
+    else:
+        defaults["color"] = {"mode": "thresholds"}
+        rendered["options"] = {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "",
+                                                 "values": False},
+                               "colorMode": "value", "graphMode": "area", "justifyMode": "auto",
+                               "orientation": "auto", "textMode": "auto"}
+    rendered["fieldConfig"] = {"defaults": defaults, "overrides": []}
+    return rendered
+
+
+def _datasource_variable() -> dict[str, Any]:
+    return {"name": "datasource", "label": "Data source", "type": "datasource",
+            "query": "prometheus", "refresh": 1, "hide": 0, "regex": "", "options": [],
+            "current": {"text": DATASOURCE_NAME, "value": DATASOURCE_UID}}
+
+
+def _render_variable(variable: Variable) -> dict[str, Any]:
+    return {
+        "name": variable.name,
+        "label": variable.label,
+        "description": variable.description,
+        "type": "query",
+        "datasource": DATASOURCE_REF,
+        "definition": variable.query,
+        "query": {"query": variable.query, "refId": f"{variable.name}-values"},
+        "refresh": 2,
+        "includeAll": True,
+        "allValue": variable.all_value,
+        "multi": True,
+        "sort": 1,
+        "hide": 0,
+        "regex": "",
+        "options": [],
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+    }
+
+
+# --- the variables every raydeck dashboard shares ------------------------------------------
+CLUSTER = Variable(
+    "cluster", "Cluster", f"label_values(ray_node_cpu_count, {CLUSTER_LABEL})",
+    "Ray cluster: the ray_io_cluster label (`raydeck monitoring config --cluster-name`, or "
+    "KubeRay's PodMonitor)")
+NODE = Variable(
+    "node", "Node", f'label_values(ray_node_cpu_count{{{CLUSTER_LABEL}=~"$cluster"}}, instance)',
+    "Ray node (its metrics address)")
+JOB = Variable(
+    "job", "Ray job", f'label_values(ray_raydeck_train_step{{{CLUSTER_LABEL}=~"$cluster"}}, '
+    "job_id)", "Ray job id of the training job")
+RUN = Variable(
+    "run", "Run", f'label_values(ray_raydeck_train_step{{{CLUSTER_LABEL}=~"$cluster", '
+    'job_id=~"$job"}, run)', "Training run (MLflow run name)")
+SWEEP = Variable(
+    "sweep", "Sweep", f'label_values(ray_raydeck_sweep_trials{{{CLUSTER_LABEL}=~"$cluster"}}, '
+    "sweep)", "Sweep name")
+
+
+# --- loading the definitions ---------------------------------------------------------------
+def load_dashboards(source_dir: Path) -> list[Dashboard]:
+    """Every ``DASHBOARD`` defined by ``source_dir/*.py`` (files starting with ``_`` skipped).
+
+    Raises:
+        ConfigError: ``source_dir`` holds no definitions, or two share a uid.
+    """
+    paths = sorted(p for p in Path(source_dir).glob("*.py") if not p.name.startswith("_"))
+    dashboards = [_load_attribute(path, "DASHBOARD", Dashboard) for path in paths]
+    if not dashboards:
+        raise ConfigError(f"no dashboard definitions (*.py defining DASHBOARD) in {source_dir}; "
+                          "run from the repository root or pass --dir")
+    uids = [d.uid for d in dashboards]
+    duplicates = sorted({u for u in uids if uids.count(u) > 1})
+    if duplicates:
+        raise ConfigError(f"{source_dir}: dashboard uid(s) {duplicates} defined twice")
+    return dashboards
+
+
+def load_rule_groups(source_dir: Path) -> tuple[RuleGroup, ...]:
+    """``RULE_GROUPS`` of ``source_dir/alerts/rules.py``.
+
+    Raises:
+        ConfigError: the file is missing or does not define ``RULE_GROUPS``.
+    """
+    path = Path(source_dir) / ALERTS_DIR / RULES_DEFINITION
+    if not path.is_file():
+        raise ConfigError(f"{path}: no alert rule definitions; run from the repository root or "
+                          "pass --dir")
+    return tuple(_load_attribute(path, "RULE_GROUPS", tuple))
+
+
+def load_module(path: Path) -> Any:
+    """Import the definition file at ``path`` (not a package: it lives next to its output)."""
+    name = f"raydeck_definitions_{path.parent.name}_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{path}: cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load_attribute(path: Path, attribute: str, kind: type) -> Any:
+    value = getattr(load_module(path), attribute, None)
+    if not isinstance(value, kind):
+        raise ConfigError(f"{path}: must define {attribute} as a {kind.__name__}")
+    return value
+
+
+# --- rendering -----------------------------------------------------------------------------
+def provisioning_files() -> dict[str, str]:
+    """Grafana provisioning for the compose stack, by path relative to ``dashboards/``.
+
+    The datasource has the uid ``push`` uses; raydeck's dashboards come from the rendered
+    JSON mounted at :data:`GRAFANA_DASHBOARDS_PATH`, Ray's from the running Ray head's
+    session directory (Ray writes them there; they are not copied into this repository).
+    """
+    datasources = {"apiVersion": 1, "datasources": [{
+        "name": DATASOURCE_NAME, "uid": DATASOURCE_UID, "type": "prometheus",
+        "access": "proxy", "url": GRAFANA_PROMETHEUS_URL, "isDefault": True,
+        "jsonData": {"httpMethod": "POST", "timeInterval": "15s"}}]}
+    providers = {"apiVersion": 1, "providers": [
+        {"name": "raydeck", "folder": FOLDER_TITLE, "folderUid": FOLDER_UID, "type": "file",
+         "disableDeletion": True, "allowUiUpdates": False, "updateIntervalSeconds": 30,
+         "options": {"path": GRAFANA_DASHBOARDS_PATH}},
+        {"name": "ray", "folder": RAY_FOLDER_TITLE, "folderUid": RAY_FOLDER_UID, "type": "file",
+         "disableDeletion": True, "allowUiUpdates": False, "updateIntervalSeconds": 30,
+         "options": {"path": GRAFANA_RAY_DASHBOARDS_PATH}},
+    ]}
+    header = "# Rendered by `raydeck dashboards render`; edit raydeck/observability/dashboards.py.\n"
+    return {
+        f"{PROVISIONING_DIR}/datasources/raydeck.yml":
+            header + yaml.safe_dump(datasources, sort_keys=False),
+        f"{PROVISIONING_DIR}/dashboards/raydeck.yml":
+            header + yaml.safe_dump(providers, sort_keys=False),
+    }
+
+
+def rendered_files(source_dir: Path) -> dict[Path, str]:
+    """Everything ``render`` writes under ``source_dir``, by path: dashboards, rules, provisioning.
+    """
+    source_dir = Path(source_dir)
+    files = {source_dir / RENDERED_DIR / f"{d.uid}.json": d.to_json()
+             for d in load_dashboards(source_dir)}
+    files[source_dir / ALERTS_DIR / RULES_FILE_NAME] = render_rules(load_rule_groups(source_dir))
+    files.update({source_dir / rel: text for rel, text in provisioning_files().items()})
+    return files
+
+
+def render(source_dir: Path, *, write: bool = True) -> list[Path]:
+    """Render the definitions in ``source_dir``; return the files that were stale.
+
+    With ``write=False`` nothing is written (CI uses that to fail on stale JSON). Rendered
+    files whose dashboard no longer exists are reported stale and removed when writing.
+    """
+    files = rendered_files(source_dir)
+    stale = [path for path, text in files.items()
+             if not path.is_file() or path.read_text() != text]
+    orphans = [p for p in sorted((Path(source_dir) / RENDERED_DIR).glob("*.json"))
+               if p not in files]
+    if write:
+        for path in stale:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(files[path])
+        for path in orphans:
+            path.unlink()
+    return sorted(stale + orphans)
+
+
+# --- check ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PanelCheck:
+    """What one panel query returned over the checked time range."""
+
+    dashboard: str
+    panel: str
+    expr: str
+    series: tuple[dict[str, str], ...]
+    error: str = ""
+    empty_ok: str = ""
+
+    @property
+    def status(self) -> str:
+        if self.error:
+            return "error"
+        if self.series:
+            return "data"
+        return "expected empty" if self.empty_ok else "no data"
+
+    @property
+    def failed(self) -> bool:
+        return self.status in ("error", "no data")
+
+
+def check(
+    dashboards: list[Dashboard],
+    client: PrometheusClient,
+    *,
+    range_s: float = DEFAULT_CHECK_RANGE_S,
+    step_s: float = DEFAULT_CHECK_STEP_S,
+    rate_interval_s: float = DEFAULT_RATE_INTERVAL_S,
+    values: Mapping[str, str] | None = None,
+) -> list[PanelCheck]:
+    """Run every panel query of ``dashboards`` against ``client`` over the last ``range_s``.
+
+    Variables take ``values[name]`` or their "All" value, Grafana's built-ins concrete
+    durations, so each query is what Grafana would send for the default view. A panel has
+    data when any query returns a series with any sample in the range, as Grafana draws it.
+
+    Raises:
+        MonitoringError: Prometheus cannot be reached (query errors are reported per panel).
+    """
+    end_s = time.time()
+    results = []
+    for dashboard in dashboards:
+        bound = {v.name: (values or {}).get(v.name, v.all_value) for v in dashboard.variables}
+        bound.update({"__rate_interval": prometheus_duration(rate_interval_s),
+                      "__interval": prometheus_duration(step_s),
+                      "__range": prometheus_duration(range_s),
+                      "datasource": DATASOURCE_UID})
+        for panel in dashboard.panels():
+            for target in panel.targets:
+                expr = substitute(target.expr, bound)
+                try:
+                    series = client.query_range(expr, end_s - range_s, end_s, step_s)
+                    error = ""
+                except QueryError as exc:
+                    series, error = [], str(exc)
+                results.append(PanelCheck(
+                    dashboard=dashboard.title, panel=panel.title, expr=expr,
+                    series=tuple(dict(s.get("metric", {})) for s in series if s.get("values")),
+                    error=error, empty_ok=panel.empty_ok))
+    return results
+
+
+# --- push ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PushResult:
+    """What ``push`` did: datasource ``created``/``updated``, and each dashboard's URL path."""
+
+    datasource: str
+    dashboards: tuple[tuple[str, str], ...]
+
+
+def ray_dashboards() -> list[dict[str, Any]]:
+    """Ray's own Grafana dashboards, generated by the installed Ray (as its head does at start).
+
+    Fetched at deploy time rather than copied into the repository, so they always match the
+    Ray version that runs. Their datasource variable is preset to raydeck's datasource.
+    """
+    from ray.dashboard.modules.metrics import grafana_dashboard_factory as factory
+
+    generators = [getattr(factory, name) for name in sorted(dir(factory))
+                  if name.startswith("generate_") and name.endswith("_grafana_dashboard")]
+    dashboards = []
+    for generate in generators:
+        content, _uid = generate()
+        dashboard = json.loads(content)
+        for variable in dashboard.get("templating", {}).get("list", []):
+            if variable.get("type") == "datasource":
+                variable["current"] = {"text": DATASOURCE_NAME, "value": DATASOURCE_UID}
+        dashboards.append(dashboard)
+    return dashboards
+
+
+def push(
+    grafana_url: str,
+    token: Secret,
+    dashboards: list[dict[str, Any]],
+    *,
+    prometheus_url: str,
+    ray: list[dict[str, Any]] | None = None,
+) -> PushResult:
+    """Upload raydeck's dashboards (and Ray's) and the Prometheus datasource to Grafana.
+
+    Idempotent: the datasource, folders and dashboards keep fixed uids, existing ones are
+    overwritten in place, so links never break and running it twice changes nothing.
+
+    Args:
+        grafana_url: e.g. ``http://grafana:3000``.
+        token: a Grafana service-account token (Editor; Admin to create the datasource).
+        dashboards: rendered raydeck dashboards (:meth:`Dashboard.render`).
+        prometheus_url: the URL Grafana itself uses to reach Prometheus.
+        ray: Ray's dashboards to upload into the "Ray" folder (:func:`ray_dashboards`).
+
+    Raises:
+        ConfigError: a URL is malformed or the token is empty.
+        MonitoringError: Grafana is unreachable, refuses the token, or rejects a request; the
+            message names the step and never contains the token.
+    """
+    from grafana_client import GrafanaApi
+
+    for name, url in (("Grafana URL", grafana_url), ("Prometheus URL", prometheus_url)):
+        if not re.match(r"^https?://[^/\s]+", url):
+            raise ConfigError(f"{name} {url!r}: must look like http://host:port")
+    if not token:
+        raise ConfigError("no Grafana token: pass --token or set GRAFANA_TOKEN to a "
+                          "service-account token with the Editor role")
+    api = GrafanaApi.from_url(grafana_url, credential=token.reveal(), timeout=PUSH_TIMEOUT_S)
+    call = _GrafanaCalls(grafana_url)
+    datasource = {"uid": DATASOURCE_UID, "name": DATASOURCE_NAME, "type": "prometheus",
+                  "access": "proxy", "url": prometheus_url, "isDefault": False,
+                  "jsonData": {"httpMethod": "POST", "timeInterval": "15s"}}
+    if call.exists("look up the datasource", api.datasource.get_datasource_by_uid,
+                   DATASOURCE_UID):
+        call("update the datasource", api.datasource.update_datasource_by_uid, DATASOURCE_UID,
+             datasource)
+        datasource_action = "updated"
+    else:
+        call("create the datasource", api.datasource.create_datasource, datasource)
+        datasource_action = "created"
+    uploads = [(FOLDER_UID, FOLDER_TITLE, d) for d in dashboards]
+    uploads += [(RAY_FOLDER_UID, RAY_FOLDER_TITLE, d) for d in ray or []]
+    for folder_uid, folder_title in dict.fromkeys((u, t) for u, t, _ in uploads):
+        if not call.exists(f"look up folder {folder_title}", api.folder.get_folder, folder_uid):
+            call(f"create folder {folder_title}", api.folder.create_folder, folder_title,
+                 uid=folder_uid)
+    pushed = []
+    for folder_uid, _, dashboard in uploads:
+        answer = call(f"upload dashboard {dashboard.get('title')!r}",
+                      api.dashboard.update_dashboard,
+                      {"dashboard": {**dashboard, "id": None}, "folderUid": folder_uid,
+                       "overwrite": True, "message": "raydeck dashboards push"})
+        pushed.append((str(dashboard.get("title")), str((answer or {}).get("url", ""))))
+    return PushResult(datasource=datasource_action, dashboards=tuple(pushed))
+
+
+_MISSING = object()
+
+
+class _GrafanaCalls:
+    """Runs grafana-client calls, turning its exceptions into one clear MonitoringError."""
+
+    def __init__(self, url: str) -> None:
+        from raydeck.tracking.router import _redact
+
+        self.url = _redact(url)
+
+    def __call__(self, what: str, fn: Any, *args: Any, missing_ok: bool = False,
+                 **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)``; with ``missing_ok``, HTTP 404 returns ``_MISSING``."""
+        import niquests
+        from grafana_client.client import (
+            GrafanaClientError,
+            GrafanaException,
+            GrafanaUnauthorizedError,
+        )
+
+        try:
+            return fn(*args, **kwargs)
+        except GrafanaUnauthorizedError:
+            raise MonitoringError(
+                f"Grafana at {self.url} refused the token (HTTP 401) to {what}; pass a valid "
+                "service-account token with --token or GRAFANA_TOKEN") from None
+        except GrafanaClientError as exc:
+            if missing_ok and exc.status_code == 404:
+                return _MISSING
+            if exc.status_code == 403:
+                raise MonitoringError(
+                    f"Grafana at {self.url}: the token may not {what} (HTTP 403); give its "
+                    "service account the Editor role (Admin to create the datasource)") from None
+            raise MonitoringError(f"Grafana at {self.url} refused to {what}: HTTP "
+                                  f"{exc.status_code} {_message(exc)}") from None
+        except GrafanaException as exc:
+            raise MonitoringError(f"Grafana at {self.url} failed to {what}: "
+                                  f"{_message(exc)}") from None
+        except niquests.exceptions.RequestException as exc:
+            raise MonitoringError(f"cannot reach Grafana at {self.url} to {what} "
+                                  f"({type(exc).__name__}); check --url / GRAFANA_URL") from None
+
+    def exists(self, what: str, fn: Any, *args: Any) -> bool:
+        """True when ``fn(*args)`` finds the object, False when Grafana answers 404."""
+        return self(what, fn, *args, missing_ok=True) is not _MISSING
+
+
+def _message(exc: Any) -> str:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict) and "message" in response:
+        return str(response["message"])[:200]
+    return str(getattr(exc, "message", exc))[:200]

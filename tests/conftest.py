@@ -1,0 +1,95 @@
+"""Session-scoped real components: an MLflow server, raydeck settings pointing at it, and Ray.
+
+The order matters: raydeck's settings go into the environment *before* Ray starts, because the
+local Ray cluster's workers inherit the environment of the process that started it, exactly as
+a job's workers inherit the runtime env in production.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.mlflow_server import MlflowServer
+from tests.fixtures.s3_server import S3Server
+
+# Settings every test process (and every Ray worker it starts) shares. Short intervals keep the
+# suite fast; they are the same code paths as the defaults.
+TEST_ENV = {
+    "RAYDECK_TRACKING_FLUSH_INTERVAL_S": "0.1",
+    "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "1",
+    "RAYDECK_TRACKING_LOST_AFTER_S": "15",
+    "RAYDECK_TRACKING_FINISH_TIMEOUT_S": "60",
+    "RAYDECK_LOG_LEVEL": "INFO",
+    # Ray Train polls its workers every 2 s by default; 0.5 s saves seconds per job.
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    # The in-process cluster runs without token auth, pinned so no earlier run decides it;
+    # tests of `ray job submit` start their own head with RAY_AUTH_MODE=token.
+    "RAY_AUTH_MODE": "disabled",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
+RAY_NUM_CPUS = 4
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("raydeck-session")
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(session_dir: Path) -> Iterator[MlflowServer]:
+    """A real MLflow tracking server for the whole session."""
+    server = MlflowServer(session_dir / "mlflow").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def raydeck_env(session_dir: Path, mlflow_server: MlflowServer) -> Iterator[dict[str, str]]:
+    """raydeck's settings for the session, in os.environ (so Ray workers inherit them)."""
+    env = {
+        **TEST_ENV,
+        "RAYDECK_TRACKING_URI": mlflow_server.uri,
+        "RAYDECK_DATA_DIR": str(session_dir / "data"),
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    yield env
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def ray_cluster(raydeck_env: dict[str, str]) -> Iterator[None]:
+    """A local Ray instance for the session, started like `raydeck.cluster.connect` does."""
+    import ray
+
+    from raydeck.cluster import job_runtime_env
+    from raydeck.config import load_settings
+
+    ray.init(num_cpus=RAY_NUM_CPUS, runtime_env=job_runtime_env(load_settings()),
+             include_dashboard=False, log_to_driver=True)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def mlflow_client(mlflow_server: MlflowServer):  # type: ignore[no-untyped-def]
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=mlflow_server.uri)
+
+
+@pytest.fixture(scope="session")
+def s3_server(session_dir: Path) -> Iterator[S3Server]:
+    """A real S3 server (SeaweedFS) for the session; each test uses its own bucket names."""
+    server = S3Server(session_dir / "s3").start()
+    yield server
+    server.stop()

@@ -1,0 +1,90 @@
+"""The `raydeck` command: version, and one clear line with exit code 2 for every fixable error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.processes import free_port
+
+
+def _raydeck(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: float = 120
+             ) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("RAYDECK_") and k != "RAY_ADDRESS"}
+    return subprocess.run(
+        [sys.executable, "-m", "raydeck.cli", *args], cwd=cwd, env={**clean, **(env or {})},
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ")
+    assert "Traceback" not in result.stderr
+    return lines[0]
+
+
+@pytest.mark.timeout(60)
+def test_version(tmp_path: Path) -> None:
+    from raydeck import __version__
+
+    result = _raydeck("--version", cwd=tmp_path)
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"raydeck {__version__}"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (["demo", "--preset", "gpu-lots"], {}, "unknown preset 'gpu-lots'; known presets: cpu-1"),
+        (["demo"], {"RAYDECK_TRACKING_URI": "mlflow-server:5000"},
+         "RAYDECK_TRACKING_URI (raydeck.toml [tracking].uri) = 'mlflow-server:5000': must be a"),
+        (["demo"], {"RAYDECK_TRACKING_SHARDS": "0"}, "RAYDECK_TRACKING_SHARDS"),
+        (["presets"], {"RAYDECK_PRESETS_FILE": "missing.yaml"}, "RAYDECK_PRESETS_FILE"),
+    ],
+)
+def test_bad_configuration_is_one_line_exit_2_and_creates_nothing(
+    tmp_path: Path, args: list[str], env: dict[str, str], expected: str
+) -> None:
+    line = _one_error_line(_raydeck(*args, cwd=tmp_path, env=env))
+    assert expected in line
+    assert not (tmp_path / ".raydeck").exists()
+
+
+@pytest.mark.timeout(60)
+def test_negative_worker_count_in_a_presets_file(tmp_path: Path) -> None:
+    presets = tmp_path / "presets.yaml"
+    presets.write_text("tiny:\n  num_workers: -1\n")
+    line = _one_error_line(
+        _raydeck("demo", "--preset", "tiny", cwd=tmp_path,
+                 env={"RAYDECK_PRESETS_FILE": str(presets)})
+    )
+    assert "preset 'tiny': num_workers=-1 must be >= 1" in line
+    assert not (tmp_path / ".raydeck").exists()
+
+
+@pytest.mark.timeout(90)
+def test_status_exits_2_when_the_configured_mlflow_is_unreachable(tmp_path: Path) -> None:
+    uri = f"http://127.0.0.1:{free_port()}"
+    result = _raydeck("status", cwd=tmp_path,
+                      env={"RAYDECK_TRACKING_URI": uri, "COLUMNS": "200"})
+    line = _one_error_line(result)
+    assert f"MLflow tracking server {uri} is unreachable" in line
+    assert "unreachable" in result.stdout
+
+
+@pytest.mark.timeout(90)
+def test_status_exits_2_when_the_configured_cluster_is_unreachable(tmp_path: Path) -> None:
+    address = f"127.0.0.1:{free_port()}"
+    result = _raydeck("status", cwd=tmp_path, env={"RAYDECK_RAY_ADDRESS": address},
+                      timeout=90)
+    line = _one_error_line(result)
+    assert f"Ray cluster at '{address}' is unreachable" in line

@@ -1,0 +1,152 @@
+"""Run lifecycle across processes: shared run ids, exits without finish(), killed drivers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.processes import wait_until
+from tests.fixtures.tracking import (
+    driver_process,
+    isolated_settings,
+    metric_steps,
+    read_line_with,
+    start_isolated_server,
+)
+
+LOGGING_DRIVER = """
+    import sys
+    import raydeck
+    tracker = raydeck.get_tracker()
+    tracker.log_metric("{key}", 1.0, step=0)
+    tracker.flush()
+    print("RUN", tracker.run_id, tracker.resumed, tracker.is_primary, flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_two_processes_with_one_run_id_share_a_run_and_only_the_primary_ends_it(
+    ray_cluster: None, mlflow_client: Any
+) -> None:
+    env = {"RAYDECK_RUN_ID": f"shared-{uuid.uuid4().hex[:8]}"}
+    first = driver_process(LOGGING_DRIVER.format(key="from_first") + """
+    sys.stdin.readline()
+    tracker.finish()
+    """, env)
+    run_id, resumed, primary = read_line_with(first, "RUN ").split()
+    assert (resumed, primary) == ("False", "True")
+
+    second = driver_process(LOGGING_DRIVER.format(key="from_second") + """
+    tracker.finish()
+    """, env)
+    second_id, resumed, primary = read_line_with(second, "RUN ").split()
+    assert second.wait(120) == 0
+    assert (second_id, resumed, primary) == (run_id, "True", "False")
+    assert mlflow_client.get_run(run_id).info.status == "RUNNING"
+
+    first.communicate("go\n", timeout=120)
+    assert first.returncode == 0
+    run = mlflow_client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert set(run.data.metrics) >= {"from_first", "from_second"}
+
+
+@pytest.mark.timeout(300)
+def test_a_driver_exiting_without_finish_ends_its_run(ray_cluster: None, mlflow_client: Any
+                                                      ) -> None:
+    proc = driver_process(LOGGING_DRIVER.format(key="x"))
+    run_id = read_line_with(proc, "RUN ").split()[0]
+    assert proc.wait(120) == 0
+    assert mlflow_client.get_run(run_id).info.status == "FINISHED"
+    assert metric_steps(mlflow_client, run_id, "x") == [0]
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_driver_leaves_its_run_killed_not_running(ray_cluster: None, mlflow_client: Any
+                                                           ) -> None:
+    proc = driver_process(LOGGING_DRIVER.format(key="x") + """
+    import time
+    time.sleep(600)
+    """)
+    run_id = read_line_with(proc, "RUN ").split()[0]
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    wait_until(lambda: mlflow_client.get_run(run_id).info.status == "KILLED", 90,
+               "router marks the run KILLED")
+    assert metric_steps(mlflow_client, run_id, "x") == [0]
+
+
+@pytest.mark.timeout(180)
+def test_a_run_records_how_it_was_made(ray_cluster: None, mlflow_client: Any) -> None:
+    import raydeck
+
+    with raydeck.get_tracker(run_name="repro") as tracker:
+        time.sleep(2.5)  # two system-metric samples at the test interval of 1 s
+    run = mlflow_client.get_run(tracker.run_id)
+    tags = run.data.tags
+    assert len(tags["mlflow.source.git.commit"]) == 40
+    assert tags["raydeck.git.dirty"] in ("true", "false")
+    assert tags["raydeck.version.ray"].startswith("2.")
+    assert tags["raydeck.ray_job_id"]
+    assert tags["raydeck.entrypoint"]
+    system = [k for k in run.data.metrics if k.startswith("system/")]
+    assert any(k.endswith("/cpu_percent") for k in system)
+    assert any(k.endswith("/memory_percent") for k in system)
+    path = mlflow_client.download_artifacts(tracker.run_id, "raydeck/runtime_env.json")
+    env = json.loads(Path(path).read_text())
+    assert env["env_vars"]["RAYDECK_TRACKING_URI"].startswith("http://127.0.0.1:")
+
+
+@pytest.mark.timeout(300)
+def test_the_proxy_stops_itself_when_idle(tmp_path: Path, ray_cluster: None) -> None:
+    import raydeck
+    from raydeck.tracking.proxy import find_router, stop_proxy
+
+    server = start_isolated_server(tmp_path)
+    settings = isolated_settings(tmp_path, server.uri, idle_timeout_s=3.0)
+    try:
+        raydeck.get_tracker(settings=settings).finish()
+        assert find_router(settings.ray_namespace) is not None
+        wait_until(lambda: find_router(settings.ray_namespace) is None, 60, "proxy idle stop")
+    finally:
+        stop_proxy(settings.ray_namespace, 0)
+        server.stop()
+
+
+@pytest.mark.timeout(300)
+def test_tracking_status_and_stop_commands(tmp_path: Path, ray_cluster: None) -> None:
+    import ray
+
+    import raydeck
+    from raydeck.tracking.proxy import find_router
+
+    server = start_isolated_server(tmp_path)
+    settings = isolated_settings(tmp_path, server.uri)
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+           "RAYDECK_RAY_NAMESPACE": settings.ray_namespace,
+           "RAYDECK_TRACKING_URI": server.uri, "COLUMNS": "200"}
+    try:
+        tracker = raydeck.get_tracker(run_name="cli-status", settings=settings)
+        tracker.log_metric("x", 1.0)
+        tracker.flush()
+        shown = subprocess.run([sys.executable, "-m", "raydeck.cli", "tracking", "status"],
+                               env=env, capture_output=True, text=True, timeout=120)
+        assert shown.returncode == 0, shown.stderr
+        assert tracker.run_key in shown.stdout and tracker.run_id in shown.stdout
+        tracker.finish()
+        stopped = subprocess.run([sys.executable, "-m", "raydeck.cli", "tracking", "stop"],
+                                 env=env, capture_output=True, text=True, timeout=180)
+        assert stopped.returncode == 0, stopped.stderr
+        assert "everything was written" in stopped.stdout
+        wait_until(lambda: find_router(settings.ray_namespace) is None, 30, "proxy stopped")
+    finally:
+        server.stop()

@@ -1,0 +1,117 @@
+"""Bad input is refused at the call site, naming the key and the rule; good values still land."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from raydeck.errors import (
+    ConfigError,
+    TrackingUnavailableError,
+    TrackingValidationError,
+)
+
+
+@pytest.fixture
+def tracker(ray_cluster: None):  # type: ignore[no-untyped-def]
+    import raydeck
+
+    tracker = raydeck.get_tracker(run_name="validation")
+    yield tracker
+    tracker.finish()
+
+
+@pytest.mark.timeout(120)
+def test_one_bad_value_never_sinks_the_call(tracker: Any, mlflow_client: Any) -> None:
+    with pytest.raises(TrackingValidationError) as excinfo:
+        tracker.log_metrics({
+            "good": 1.5,
+            "also/good": 2,
+            "bad key!": 3.0,
+            "nan_loss": float("nan"),
+            "inf_loss": float("inf"),
+            "text": "0.5",
+            "none": None,
+            "../escape": 1.0,
+        }, step=3)
+    problems = excinfo.value.problems
+    assert set(problems) == {"bad key!", "nan_loss", "inf_loss", "text", "none", "../escape"}
+    assert "letters, digits" in problems["bad key!"]
+    assert "non-finite" in problems["nan_loss"] and "RAYDECK_TRACKING_NONFINITE" in problems[
+        "nan_loss"]
+    assert "must be numbers, got str" in problems["text"]
+    assert "normalized paths" in problems["../escape"]
+
+    for step, error in ((-1, "must be >= 0"), (1.5, "non-negative int")):
+        with pytest.raises(TrackingValidationError, match=error):
+            tracker.log_metrics({"good": 9.0}, step=step)
+
+    with pytest.raises(TrackingValidationError) as excinfo:
+        tracker.log_params({"lr": 0.1, "notes": "x" * 7000, "bad name?": 1})
+    assert set(excinfo.value.problems) == {"notes", "bad name?"}
+    assert "at most 6000 characters" in excinfo.value.problems["notes"]
+    with pytest.raises(TrackingValidationError, match=r"already logged as '0\.1'"):
+        tracker.log_params({"lr": 0.2})
+    tracker.log_params({"lr": 0.1})  # the same value again is fine
+
+    with pytest.raises(TrackingValidationError) as excinfo:
+        tracker.set_tags({"team": "vision", "config": {"nested": True}, "big": "y" * 9000})
+    assert set(excinfo.value.problems) == {"config", "big"}
+    assert "log structured values with log_dict" in excinfo.value.problems["config"]
+
+    with pytest.raises(TrackingValidationError, match="no such file"):
+        tracker.log_artifact("/nonexistent/file.txt")
+
+    tracker.finish()
+    run = mlflow_client.get_run(tracker.run_id)
+    assert run.data.metrics["good"] == 1.5
+    assert run.data.metrics["also/good"] == 2.0
+    assert [m.step for m in mlflow_client.get_metric_history(tracker.run_id, "good")] == [3]
+    assert run.data.params["lr"] == "0.1"
+    assert "notes" not in run.data.params
+    assert run.data.tags["team"] == "vision"
+    assert "config" not in run.data.tags
+
+
+@pytest.mark.timeout(120)
+def test_numpy_and_torch_scalars_are_metric_values(tracker: Any, mlflow_client: Any) -> None:
+    import numpy as np
+    import torch
+
+    tracker.log_metrics({"np": np.float32(0.25), "np_int": np.int64(4),
+                         "torch": torch.tensor(0.75)})
+    tracker.finish()
+    metrics = mlflow_client.get_run(tracker.run_id).data.metrics
+    assert metrics == {"np": 0.25, "np_int": 4.0, "torch": 0.75} | {
+        k: v for k, v in metrics.items() if k.startswith("system/")
+    }
+
+
+@pytest.mark.timeout(120)
+def test_unknown_mlflow_run_id_is_one_clear_error(ray_cluster: None) -> None:
+    import raydeck
+
+    with pytest.raises(ConfigError, match="looks like an MLflow run id, but MLflow at"):
+        raydeck.get_tracker("0123456789abcdef0123456789abcdef")
+
+
+@pytest.mark.timeout(180)
+def test_unreachable_mlflow_at_startup_is_one_clear_error(ray_cluster: None) -> None:
+    import dataclasses
+
+    import raydeck
+    from raydeck.config import load_settings
+    from raydeck.tracking.proxy import stop_proxy
+    from tests.fixtures.processes import free_port
+
+    base = load_settings()
+    settings = dataclasses.replace(
+        base, ray_namespace="raydeck-unreachable",
+        tracking=dataclasses.replace(base.tracking, uri=f"http://127.0.0.1:{free_port()}"),
+    )
+    try:
+        with pytest.raises(TrackingUnavailableError, match=r"MLflow at http://127\.0\.0\.1:\d+"):
+            raydeck.get_tracker(settings=settings)
+    finally:
+        stop_proxy("raydeck-unreachable", 0)
