@@ -144,9 +144,8 @@ def main() -> None:
             "RAY_AUTH_MODE": "disabled",
         })
         try:
-            from mlflow.tracking import MlflowClient
-
             import ray
+            from mlflow.tracking import MlflowClient
 
             from raydeck.cluster import connect
 
@@ -155,7 +154,7 @@ def main() -> None:
             run_id = client.create_run(experiment).info.run_id
             rest = rest_per_point(server.uri, run_id)
             ceiling = log_batch_ceiling(server.uri, run_id)
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": {k: v for k, v in os.environ.items()
                                                if k.startswith("RAYDECK_")}})
             connect()

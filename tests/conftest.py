@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.mlflow_server import MlflowServer
+from tests.fixtures.prometheus import PrometheusServer, for_ray_session
 from tests.fixtures.s3_server import S3Server
 
 # Settings every test process (and every Ray worker it starts) shares. Short intervals keep the
@@ -21,7 +22,7 @@ from tests.fixtures.s3_server import S3Server
 TEST_ENV = {
     "RAYDECK_TRACKING_FLUSH_INTERVAL_S": "0.1",
     "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "1",
-    "RAYDECK_TRACKING_LOST_AFTER_S": "15",
+    "RAYDECK_TRACKING_LOST_AFTER_S": "30",
     "RAYDECK_TRACKING_FINISH_TIMEOUT_S": "60",
     "RAYDECK_LOG_LEVEL": "INFO",
     # Ray Train polls its workers every 2 s by default; 0.5 s saves seconds per job.
@@ -74,8 +75,12 @@ def ray_cluster(raydeck_env: dict[str, str]) -> Iterator[None]:
     from raydeck.cluster import job_runtime_env
     from raydeck.config import load_settings
 
-    ray.init(num_cpus=RAY_NUM_CPUS, runtime_env=job_runtime_env(load_settings()),
-             include_dashboard=False, log_to_driver=True)
+    # Ray's dashboard writes the Prometheus service-discovery file and Ray's Grafana dashboards
+    # (the observability tests read both); metrics export itself works without it.
+    # address="local": a cluster of its own, even if `ray start` runs on this machine.
+    ray.init(address="local", num_cpus=RAY_NUM_CPUS,
+             runtime_env=job_runtime_env(load_settings()),
+             include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
     yield
     ray.shutdown()
 
@@ -91,5 +96,19 @@ def mlflow_client(mlflow_server: MlflowServer):  # type: ignore[no-untyped-def]
 def s3_server(session_dir: Path) -> Iterator[S3Server]:
     """A real S3 server (SeaweedFS) for the session; each test uses its own bucket names."""
     server = S3Server(session_dir / "s3").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def prometheus(ray_cluster: None, session_dir: Path) -> Iterator[PrometheusServer]:
+    """A real Prometheus scraping the session's Ray, configured as `raydeck monitoring config`.
+
+    Loads the committed alert rules, plus TrainingStalled with an 8 s floor instead of 15 min.
+    """
+    import ray
+
+    ray_session = Path(ray._private.worker._global_node.get_session_dir_path())
+    server = for_ray_session(session_dir / "prometheus", ray_session)
     yield server
     server.stop()

@@ -186,6 +186,7 @@ def test_checkpoint_filesystem_reaches_s3_and_keeps_its_retries_when_shipped(
     path = f"{target.storage_path}/probe/file.bin"
     with shipped.open_output_stream(path) as stream:
         stream.write(b"checkpoint bytes")
-    stat = s3_server.client().stat_object(settings.storage.checkpoints_bucket, "raydeck/probe/file.bin")
+    stat = s3_server.client().stat_object(settings.storage.checkpoints_bucket,
+                                          "raydeck/probe/file.bin")
     assert stat.size == len(b"checkpoint bytes")
     assert s3_server.secret_access_key not in repr(settings) + repr(target)

@@ -5,12 +5,20 @@ run id; reporting an epoch to Ray Train and to the tracker together; recording e
 URI in the run. Does not own: where checkpoints are stored (``RunConfig.storage_path``, see
 :mod:`raydeck.training` and :mod:`raydeck.storage`) or how many are kept (``CheckpointConfig``).
 
-Why epochs land exactly once after a worker dies: :func:`report_epoch` writes the epoch's metric
-values, with their timestamps, *into* the checkpoint before reporting it, and logs them to the
-tracker only after Ray Train has persisted it. On resume, :func:`restore` logs the stored values
-of the restored epoch again with the same timestamps: if they had landed, MLflow keeps one copy
-(identical key, step, timestamp and value), and if the worker died before they were sent, they
-land now. Epochs after the checkpoint are re-run and logged as new.
+Why epochs land exactly once after a worker dies:
+
+1. An epoch's metrics are logged only after Ray Train has *committed* its checkpoint (its
+   controller has the reports of every worker: :func:`report_checkpoint` waits with
+   ``ray.train.get_all_reported_checkpoints(COMMITTED)``, at most one controller poll,
+   ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``). A checkpoint that was uploaded but not committed
+   when a worker died is not the one training restarts from, so the epoch it holds is trained
+   again; had its metrics been logged already, the history would hold that epoch twice.
+2. The metric points, with their timestamps, are stored *in* the checkpoint. On resume,
+   :func:`restore` logs the stored points of the restored epoch again: if they had landed, MLflow
+   keeps one copy (identical key, step, timestamp and value); if the worker died between the
+   commit and sending them, they land now.
+
+Epochs after the restored checkpoint are re-run and logged as new.
 """
 
 from __future__ import annotations
@@ -36,6 +44,12 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "train_state.pt"
 CHECKPOINT_DIR_FORMAT = "epoch_{epoch:06d}"
 CHECKPOINT_TAG_PREFIX = "raydeck.checkpoint."
+# How long a worker waits for Ray Train to commit a checkpoint before logging its epoch anyway
+# (a warning says so): committing takes one controller poll once every worker has reported.
+COMMIT_TIMEOUT_S = 600.0
+
+MetricPoint = tuple[str, float, int, int]
+"""One logged value: ``(key, value, timestamp_ms, step)``."""
 
 
 @dataclass
@@ -54,7 +68,8 @@ def _metrics_file(rank: int) -> str:
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside DistributedDataParallel, so checkpoints load into a plain model."""
-    return model.module if hasattr(model, "module") else model
+    inner = getattr(model, "module", model)
+    return inner if isinstance(inner, torch.nn.Module) else model
 
 
 def _rng_state() -> dict[str, Any]:
@@ -71,6 +86,56 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_state(
+    directory: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    epoch: int,
+    step: int,
+    run_id: str,
+    extra: dict[str, Any] | None,
+) -> None:
+    """Write the full training state into ``directory`` (the one file raydeck checkpoints hold)."""
+    torch.save(
+        {
+            "epoch": epoch,
+            "step": step,
+            "run_id": run_id,
+            "model": _unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict() if optimizer else None,
+            "scheduler": scheduler.state_dict() if scheduler else None,
+            "rng": _rng_state(),
+            "extra": extra or {},
+        },
+        directory / STATE_FILE,
+    )
+
+
+def read_state(
+    directory: str | Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any | None = None,
+    map_location: str | torch.device = "cpu",
+    restore_rng: bool = True,
+) -> TrainState:
+    """Load a state written by :func:`write_state` into model, optimizer, scheduler and RNGs."""
+    state = torch.load(Path(directory) / STATE_FILE, map_location=map_location,
+                       weights_only=False)
+    _unwrap(model).load_state_dict(state["model"])
+    if optimizer is not None and state["optimizer"] is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    if restore_rng:
+        _set_rng_state(state["rng"])
+    return TrainState(epoch=int(state["epoch"]), step=int(state["step"]),
+                      run_id=str(state["run_id"]), extra=dict(state["extra"]))
 
 
 def _rank() -> int:
@@ -92,51 +157,124 @@ def report_epoch(
 ) -> None:
     """Checkpoint and report one finished epoch from a Ray Train worker; call on every rank.
 
-    Rank 0 stores the full training state; every rank stores its own metric values. The
-    checkpoint directory is named ``epoch_<NNNNNN>`` so its URI is predictable, and rank 0 records
-    it in the run as the tags ``raydeck.checkpoint.latest`` and ``raydeck.checkpoint.epoch_<N>``.
-    The metrics are logged to ``tracker`` at ``step=epoch`` after the checkpoint is persisted.
-    Prometheus gets this rank's progress (step, its time, throughput, losses) and the
-    checkpoint's save time and size (:class:`~raydeck.observability.metrics.TrainingMetrics`).
+    Rank 0 stores the full training state; every rank stores its own metric values. The metrics
+    are logged to ``tracker`` at ``step=epoch`` once Ray Train has committed the checkpoint (see
+    :func:`report_checkpoint`, which also records the checkpoint in the run).
+    """
+    rank = _rank()
+    with tempfile.TemporaryDirectory(prefix="raydeck-ckpt-") as tmp:
+        save_started = time.perf_counter()
+        if rank == 0:
+            write_state(Path(tmp), model=model, optimizer=optimizer, scheduler=scheduler,
+                        epoch=epoch, step=step, run_id=tracker.parent_run_id, extra=extra)
+        report_checkpoint(tracker, Path(tmp), metrics, epoch=epoch, save_started=save_started)
+
+
+def report_checkpoint(
+    tracker: Tracker,
+    directory: Path,
+    metrics: dict[str, Any],
+    *,
+    epoch: int,
+    points: list[MetricPoint] | None = None,
+    save_started: float | None = None,
+) -> bool:
+    """Report ``directory`` as epoch ``epoch``'s checkpoint, and log its metrics once committed.
+
+    The building block of :func:`report_epoch` and of the Lightning integration. Call on every
+    rank with a directory holding what this rank saves (rank 0 the training state, others
+    possibly nothing); the directory is named ``epoch_<NNNNNN>`` in storage so its URI is
+    predictable. Rank 0 records the committed checkpoint in the run as the tags
+    ``raydeck.checkpoint.latest``, ``.latest_epoch`` and ``.epoch_<N>``. Prometheus gets this
+    rank's progress and the checkpoint's save time and size
+    (:class:`~raydeck.observability.metrics.TrainingMetrics`).
+
+    Args:
+        tracker: this rank's tracker.
+        directory: the checkpoint's files; this function adds ``metrics_rank_<r>.json``.
+        metrics: reported to Ray Train (``Result.metrics``); plain numbers.
+        epoch: the finished epoch.
+        points: what to log to the tracker after the commit; default ``metrics`` at
+            ``step=epoch``, timestamped now. Stored in the checkpoint for :func:`restore`.
+        save_started: ``time.perf_counter()`` when saving began (for the save-time metric).
+
+    Returns:
+        True when Ray Train committed the checkpoint within ``COMMIT_TIMEOUT_S``; after a
+        timeout the points are logged anyway (nothing is dropped) and a warning says so.
     """
     import ray.train
 
     rank = _rank()
     progress = training_metrics(tracker.run_name, tracker.parent_run_id, rank)
-    timestamp_ms = int(time.time() * 1000)
-    with tempfile.TemporaryDirectory(prefix="raydeck-ckpt-") as tmp:
-        save_started = time.perf_counter()
-        directory = Path(tmp)
-        (directory / _metrics_file(rank)).write_text(
-            json.dumps({"epoch": epoch, "timestamp_ms": timestamp_ms, "metrics": metrics})
-        )
-        if rank == 0:
-            torch.save(
-                {
-                    "epoch": epoch,
-                    "step": step,
-                    "run_id": tracker.parent_run_id,
-                    "model": _unwrap(model).state_dict(),
-                    "optimizer": optimizer.state_dict() if optimizer else None,
-                    "scheduler": scheduler.state_dict() if scheduler else None,
-                    "rng": _rng_state(),
-                    "extra": extra or {},
-                },
-                directory / STATE_FILE,
-            )
-        name = CHECKPOINT_DIR_FORMAT.format(epoch=epoch)
-        size_bytes = sum(entry.stat().st_size for entry in os.scandir(tmp) if entry.is_file())
-        ray.train.report(
-            metrics, checkpoint=ray.train.Checkpoint.from_directory(tmp), checkpoint_dir_name=name
-        )
-        progress.checkpoint_saved(time.perf_counter() - save_started, size_bytes)
+    started = time.perf_counter() if save_started is None else save_started
+    if points is None:
+        timestamp_ms = int(time.time() * 1000)
+        points = [(key, value, timestamp_ms, epoch) for key, value in metrics.items()]
+    (directory / _metrics_file(rank)).write_text(
+        json.dumps({"epoch": epoch, "points": points}, default=float)
+    )
+    name = CHECKPOINT_DIR_FORMAT.format(epoch=epoch)
+    size_bytes = sum(entry.stat().st_size for entry in os.scandir(directory) if entry.is_file())
+    ray.train.report(
+        metrics, checkpoint=ray.train.Checkpoint.from_directory(str(directory)),
+        checkpoint_dir_name=name,
+    )
+    progress.checkpoint_saved(time.perf_counter() - started, size_bytes)
     progress.step_reported(epoch, metrics)
-    tracker.log_metrics(metrics, step=epoch, timestamp_ms=timestamp_ms)
+    committed = _wait_committed(name) if tracker.active else True
+    log_points(tracker, points)
+    # Hand the epoch to the proxy now: a worker stopped right after (a pruned Tune trial, a
+    # preempted node) must not take its last epoch with it.
+    tracker.flush()
     if rank == 0:
         uri = checkpoint_uri(name)
         tracker.set_tags({f"{CHECKPOINT_TAG_PREFIX}latest": uri,
                           f"{CHECKPOINT_TAG_PREFIX}latest_epoch": epoch,
                           f"{CHECKPOINT_TAG_PREFIX}epoch_{epoch}": uri})
+    return committed
+
+
+def _wait_committed(name: str) -> bool:
+    """Block until Ray Train's controller has committed this worker's latest report."""
+    import ray.train
+
+    started = time.monotonic()
+    ray.train.get_all_reported_checkpoints(
+        consistency_mode=ray.train.CheckpointConsistencyMode.COMMITTED,
+        timeout_s=COMMIT_TIMEOUT_S,
+    )
+    waited_s = time.monotonic() - started
+    if waited_s >= COMMIT_TIMEOUT_S:
+        logger.warning("checkpoint %s was not committed after %.0f s; logging its metrics anyway "
+                       "(after a failure now, that epoch may appear twice)", name, waited_s)
+        return False
+    logger.debug("checkpoint %s committed after %.2f s", name, waited_s)
+    return True
+
+
+def log_points(tracker: Tracker, points: list[MetricPoint]) -> None:
+    """Log stored points with their own steps and timestamps (re-logging one is idempotent)."""
+    grouped: dict[tuple[int, int], dict[str, float]] = {}
+    for key, value, timestamp_ms, step in points:
+        grouped.setdefault((int(step), int(timestamp_ms)), {})[key] = value
+    for (step, timestamp_ms), values in grouped.items():
+        tracker.log_metrics(values, step=step, timestamp_ms=timestamp_ms)
+
+
+def stored_points(directory: str | Path) -> list[MetricPoint]:
+    """The metric points this rank stored in a raydeck checkpoint directory (empty if none)."""
+    path = Path(directory) / _metrics_file(_rank())
+    if not path.exists():
+        return []
+    return [(str(key), float(value), int(timestamp_ms), int(step))
+            for key, value, timestamp_ms, step in json.loads(path.read_text())["points"]]
+
+
+def mark_resumed(tracker: Tracker, epoch: int, points: list[MetricPoint]) -> None:
+    """After restoring epoch ``epoch``: log its stored points again and tag the run."""
+    log_points(tracker, points)
+    tracker.set_tags({f"{CHECKPOINT_TAG_PREFIX}resumed_from_epoch": epoch})
+    logger.info("resumed from epoch %d", epoch)
 
 
 def checkpoint_uri(name: str) -> str:
@@ -172,32 +310,18 @@ def restore(
     checkpoint = checkpoint or ray.train.get_checkpoint()
     if checkpoint is None:
         return None
-    rank = _rank()
     with checkpoint.as_directory() as directory:
-        state = torch.load(Path(directory) / STATE_FILE, map_location=map_location,
-                           weights_only=False)
-        metrics_path = Path(directory) / _metrics_file(rank)
-        stored = json.loads(metrics_path.read_text()) if metrics_path.exists() else None
-    _unwrap(model).load_state_dict(state["model"])
-    if optimizer is not None and state["optimizer"] is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    if scheduler is not None and state["scheduler"] is not None:
-        scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
-    if stored is not None:
-        tracker.log_metrics(stored["metrics"], step=stored["epoch"],
-                            timestamp_ms=stored["timestamp_ms"])
-    if tracker.active and state["run_id"] and state["run_id"] != tracker.parent_run_id:
+        state = read_state(directory, model=model, optimizer=optimizer, scheduler=scheduler,
+                           map_location=map_location)
+        points = stored_points(directory)
+    if tracker.active and state.run_id and state.run_id != tracker.parent_run_id:
         logger.warning("checkpoint was written by run %s, resuming in run %s",
-                       state["run_id"], tracker.parent_run_id)
-    tracker.set_tags({f"{CHECKPOINT_TAG_PREFIX}resumed_from_epoch": state["epoch"]})
-    logger.info("resumed from epoch %d", state["epoch"])
-    return TrainState(epoch=int(state["epoch"]), step=int(state["step"]),
-                      run_id=str(state["run_id"]), extra=dict(state["extra"]))
+                       state.run_id, tracker.parent_run_id)
+    mark_resumed(tracker, state.epoch, points)
+    return state
 
 
 def load_model_state(checkpoint_dir: str | Path, model: torch.nn.Module) -> torch.nn.Module:
     """Load the model weights of a raydeck checkpoint directory (e.g. to serve or register)."""
-    state = torch.load(Path(checkpoint_dir) / STATE_FILE, map_location="cpu", weights_only=False)
-    model.load_state_dict(state["model"])
+    read_state(checkpoint_dir, model=model, restore_rng=False)
     return model

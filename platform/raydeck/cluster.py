@@ -7,7 +7,9 @@ Does not own: starting or stopping clusters (``ray start``/compose do that) or j
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import re
 import socket
 from dataclasses import dataclass
@@ -53,6 +55,21 @@ def job_runtime_env(settings: Settings, extra: dict[str, Any] | None = None) -> 
     return runtime_env
 
 
+def _beside_submitted_job(runtime_env: dict[str, Any]) -> dict[str, Any]:
+    """``runtime_env`` without the variables a ``ray job submit`` runtime env already sets.
+
+    Ray merges a submitted job's runtime env with the one its driver passes to ``ray.init`` and
+    refuses to start when both set the same variable. The job's own value wins: the driver read
+    its settings from it (Ray fills ``${NAME}`` on every node alike).
+    """
+    injected = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not injected:
+        return runtime_env
+    job_env_vars = (json.loads(injected).get("runtime_env") or {}).get("env_vars") or {}
+    env_vars = {k: v for k, v in runtime_env.get("env_vars", {}).items() if k not in job_env_vars}
+    return {**runtime_env, "env_vars": env_vars}
+
+
 def connect(
     settings: Settings | None = None,
     *,
@@ -85,7 +102,7 @@ def connect(
     try:
         ray.init(
             address=address,
-            runtime_env=job_runtime_env(settings, runtime_env),
+            runtime_env=_beside_submitted_job(job_runtime_env(settings, runtime_env)),
             log_to_driver=log_to_driver,
             logging_level=logging.WARNING,
             configure_logging=True,

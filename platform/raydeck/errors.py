@@ -59,3 +59,7 @@ class MonitoringError(RaydeckError):
 
 class QueryError(MonitoringError):
     """Prometheus rejected a PromQL expression (the message holds Prometheus' reason)."""
+
+
+class JobSubmissionError(RaydeckError):
+    """A job cannot run on the cluster as asked (e.g. the cluster's Python lacks raydeck)."""

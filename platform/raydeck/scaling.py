@@ -8,12 +8,18 @@ Does not own: launching (``raydeck.training``) or resource accounting (Ray does 
 GPU shares: a worker takes a whole number of GPUs, or a fraction 1/k (k = 2..8) so that k workers
 share one GPU exactly (Ray packs fractional requests onto the same device). Other fractions
 (0.3, 1.5) are rejected because they strand capacity.
+
+Each preset also carries its fault-tolerance defaults: how many worker-group restarts Ray Train
+makes from the latest checkpoint (``max_failures``, Ray's ``FailureConfig``) and how many
+checkpoints it keeps (``checkpoints_to_keep``, Ray's ``CheckpointConfig``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,9 +28,17 @@ import tomllib
 
 from raydeck.errors import InfeasibleResourcesError, PresetError
 
+logger = logging.getLogger(__name__)
+
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 GPU_FRACTION_DENOMINATORS = range(2, 9)
+DEFAULT_MAX_FAILURES = 3
+DEFAULT_CHECKPOINTS_TO_KEEP = 2
 _GIB = 1024**3
+# Resources Ray derives from placement groups (``CPU_group_<pg id>``, ``bundle_group_...``): they
+# are views of the base resources, not capacity of their own.
+_PLACEMENT_GROUP_RESOURCE = re.compile(r"_group_")
+MAX_NODES_SHOWN = 8
 
 
 @dataclass(frozen=True)
@@ -37,24 +51,23 @@ class Preset:
     gpus_per_worker: float = 0.0
     memory_per_worker_gb: float = 0.0
     placement_strategy: str = "PACK"
-    max_failures: int = 3
+    max_failures: int = DEFAULT_MAX_FAILURES
+    checkpoints_to_keep: int = DEFAULT_CHECKPOINTS_TO_KEEP
     description: str = ""
 
     def __post_init__(self) -> None:
         where = f"preset {self.name!r}"
-        if isinstance(self.num_workers, bool) or not isinstance(self.num_workers, int):
-            raise PresetError(f"{where}: num_workers={self.num_workers!r} must be an integer")
+        for name in ("num_workers", "max_failures", "checkpoints_to_keep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PresetError(f"{where}: {name}={value!r} must be an integer")
+        for name in ("cpus_per_worker", "gpus_per_worker", "memory_per_worker_gb"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise PresetError(f"{where}: {name}={value!r} must be a number >= 0")
         if self.num_workers < 1:
             raise PresetError(f"{where}: num_workers={self.num_workers} must be >= 1")
-        if self.cpus_per_worker < 0:
-            raise PresetError(f"{where}: cpus_per_worker={self.cpus_per_worker} must be >= 0")
-        if self.memory_per_worker_gb < 0:
-            raise PresetError(
-                f"{where}: memory_per_worker_gb={self.memory_per_worker_gb} must be >= 0"
-            )
         gpus = self.gpus_per_worker
-        if gpus < 0:
-            raise PresetError(f"{where}: gpus_per_worker={gpus} must be >= 0")
         if gpus >= 1 and not float(gpus).is_integer():
             raise PresetError(
                 f"{where}: gpus_per_worker={gpus}: whole GPUs must be an integer (1, 2, ...)"
@@ -73,7 +86,15 @@ class Preset:
                 f"{', '.join(PLACEMENT_STRATEGIES)}"
             )
         if self.max_failures < -1:
-            raise PresetError(f"{where}: max_failures={self.max_failures} must be >= -1")
+            raise PresetError(
+                f"{where}: max_failures={self.max_failures} must be >= -1 "
+                "(-1: retry forever, 0: fail on the first worker death)"
+            )
+        if self.checkpoints_to_keep < 1:
+            raise PresetError(
+                f"{where}: checkpoints_to_keep={self.checkpoints_to_keep} must be >= 1 "
+                "(a restart resumes from the latest checkpoint)"
+            )
 
     @property
     def use_gpu(self) -> bool:
@@ -99,8 +120,40 @@ class Preset:
             placement_strategy=self.placement_strategy,
         )
 
+    def failure_config(self) -> Any:
+        """Ray's ``ray.train.FailureConfig``: restarts from the latest checkpoint."""
+        from ray.train import FailureConfig
+
+        return FailureConfig(max_failures=self.max_failures)
+
+    def checkpoint_config(self) -> Any:
+        """Ray's ``ray.train.CheckpointConfig``: keep the newest ``checkpoints_to_keep``."""
+        from ray.train import CheckpointConfig
+
+        return CheckpointConfig(num_to_keep=self.checkpoints_to_keep)
+
     def with_workers(self, num_workers: int) -> Preset:
         return dataclasses.replace(self, num_workers=num_workers)
+
+    @classmethod
+    def from_scaling_config(cls, scaling_config: Any, name: str = "custom") -> Preset:
+        """The preset equivalent to a user's own ``ray.train.ScalingConfig`` (validated alike).
+
+        Raises:
+            PresetError: the ScalingConfig breaks a preset rule (e.g. a 0.3 GPU share).
+        """
+        resources = dict(scaling_config.resources_per_worker or {})
+        gpus = float(resources.pop("GPU", 1.0 if scaling_config.use_gpu else 0.0))
+        memory_bytes = float(resources.pop("memory", 0.0))
+        return cls(
+            name=name,
+            num_workers=int(scaling_config.num_workers),
+            cpus_per_worker=float(resources.pop("CPU", 1.0)),
+            gpus_per_worker=int(gpus) if gpus.is_integer() else gpus,
+            memory_per_worker_gb=memory_bytes / _GIB,
+            placement_strategy=str(scaling_config.placement_strategy),
+            description="a ScalingConfig passed by the caller",
+        )
 
 
 BUILTIN_PRESETS: dict[str, Preset] = {
@@ -153,7 +206,8 @@ def load_presets(presets_file: str | Path | None = None) -> dict[str, Preset]:
     """Built-in presets plus those of ``presets_file`` (YAML or TOML), which may override them.
 
     File format: a mapping ``name -> {num_workers, cpus_per_worker, gpus_per_worker,
-    memory_per_worker_gb, placement_strategy, max_failures, description}``, optionally under a
+    memory_per_worker_gb, placement_strategy, max_failures, checkpoints_to_keep,
+    description}``, optionally under a
     top-level ``presets`` key.
     """
     presets = dict(BUILTIN_PRESETS)
@@ -173,6 +227,19 @@ def load_presets(presets_file: str | Path | None = None) -> dict[str, Preset]:
             raise PresetError(f"preset {name!r} in {presets_file}: num_workers is required")
         presets[str(name)] = Preset(name=str(name), **fields)
     return presets
+
+
+def resolve(scaling: str | Preset | Any, presets_file: str | Path | None = None) -> Preset:
+    """A preset from a name, a :class:`Preset` or a ``ray.train.ScalingConfig``.
+
+    Raises:
+        PresetError: unknown name, or a ScalingConfig that breaks a preset rule.
+    """
+    if isinstance(scaling, Preset):
+        return scaling
+    if isinstance(scaling, str):
+        return get_preset(scaling, presets_file)
+    return Preset.from_scaling_config(scaling)
 
 
 def get_preset(name: str, presets_file: str | Path | None = None) -> Preset:
@@ -198,11 +265,15 @@ class Feasibility:
     message: str
 
 
-def _fits(bundle: dict[str, float], node: dict[str, float], count: int = 1) -> bool:
+NodeResources = dict[str, float]
+
+
+def _fits(bundle: NodeResources, node: NodeResources, count: int = 1) -> bool:
     return all(node.get(name, 0.0) + 1e-9 >= amount * count for name, amount in bundle.items())
 
 
-def _capacity(bundle: dict[str, float], node: dict[str, float]) -> int:
+def _capacity(bundle: NodeResources, node: NodeResources) -> int:
+    """How many ``bundle``s one node holds. Exact for 1/k GPU shares: k of them fill a GPU."""
     counts = [
         math.floor((node.get(name, 0.0) + 1e-9) / amount)
         for name, amount in bundle.items() if amount > 0
@@ -210,8 +281,13 @@ def _capacity(bundle: dict[str, float], node: dict[str, float]) -> int:
     return min(counts) if counts else 10**9
 
 
-def _placeable(bundle: dict[str, float], workers: int, strategy: str,
-               nodes: list[dict[str, float]]) -> bool:
+def _placeable(bundle: NodeResources, workers: int, strategy: str,
+               nodes: list[NodeResources]) -> bool:
+    """Whether Ray can place ``workers`` bundles on ``nodes`` under ``strategy``.
+
+    STRICT_PACK needs one node for all, STRICT_SPREAD a distinct node for each; PACK and SPREAD
+    are preferences, so any node with room counts.
+    """
     if strategy == "STRICT_PACK":
         return any(_fits(bundle, node, workers) for node in nodes)
     if strategy == "STRICT_SPREAD":
@@ -219,81 +295,97 @@ def _placeable(bundle: dict[str, float], workers: int, strategy: str,
     return sum(_capacity(bundle, node) for node in nodes) >= workers
 
 
-def _describe(resources: dict[str, float]) -> str:
+def _describe(resources: NodeResources) -> str:
     shown = []
     for name in ("CPU", "GPU", "memory"):
         if name in resources:
             value = resources[name]
             shown.append(f"{value / _GIB:.1f} GiB memory" if name == "memory"
                          else f"{value:g} {name}")
+    custom = sorted(k for k in resources if k not in ("CPU", "GPU", "memory"))
+    shown.extend(f"{resources[k]:g} {k}" for k in custom)
     return ", ".join(shown) or "nothing"
+
+
+def _base_resources(resources: dict[str, float]) -> NodeResources:
+    """A node's schedulable resources, without Ray's per-node and placement-group markers."""
+    return {
+        name: float(amount) for name, amount in resources.items()
+        if not _PLACEMENT_GROUP_RESOURCE.search(name) and not name.startswith("node:")
+        and name != "object_store_memory"
+    }
+
+
+def cluster_resources() -> tuple[list[NodeResources], list[NodeResources]]:
+    """Total and currently available resources of each alive node of the connected cluster.
+
+    Returns:
+        Two lists, aligned by node: totals and what is free right now (resources held by
+        running tasks, actors and placement groups are not free).
+    """
+    # Ray's public API has per-node totals (ray.nodes()) but only cluster-wide availability;
+    # its DeveloperAPI in ray._private.state has both per node, which placement needs.
+    from ray._private.state import available_resources_per_node, total_resources_per_node
+
+    totals = total_resources_per_node()
+    available = available_resources_per_node()
+    node_ids = sorted(totals)
+    return ([_base_resources(totals[n]) for n in node_ids],
+            [_base_resources(available.get(n, {})) for n in node_ids])
 
 
 def check_feasible(
     preset: Preset,
     *,
     extra_per_worker: dict[str, float] | None = None,
-    node_totals: list[dict[str, float]] | None = None,
-    node_available: list[dict[str, float]] | None = None,
+    node_totals: list[NodeResources] | None = None,
+    node_available: list[NodeResources] | None = None,
 ) -> Feasibility:
     """Compare a request with the cluster before launching it.
 
     Args:
         preset: the request.
         extra_per_worker: resources each worker needs on top of the preset (Tune trial drivers).
-        node_totals, node_available: per-node resources; default: read from the connected Ray
-            cluster (alive nodes).
+        node_totals, node_available: per-node resources (aligned lists); default: read from
+            the connected Ray cluster with :func:`cluster_resources`.
 
     Returns:
-        Whether it runs now, or a message saying it is queued behind running work.
+        ``runs_now`` True when the workers fit into what is free now; False (with a message
+        saying it is queued) when they fit into the empty cluster but not into what running
+        work leaves free. Per-node GPU availability is a sum: on a node whose free GPU is split
+        across devices (0.5 + 0.5), a whole-GPU worker is reported as fitting although Ray
+        waits; it then queues, it does not fail.
 
     Raises:
         InfeasibleResourcesError: the cluster, even empty, can never place the request; the
-            message says what was asked and what exists.
+            message says what was asked and what each node has.
     """
     if node_totals is None or node_available is None:
-        import ray
-
-        alive = [n for n in ray.nodes() if n.get("Alive")]
-        node_totals = [dict(n.get("Resources", {})) for n in alive]
-        available = ray.available_resources()
-        # ray.available_resources() is cluster-wide; per-node availability only matters for
-        # the "queued" message, so scale each node's share by the cluster-wide ratio.
-        node_available = _split_available(node_totals, available)
+        node_totals, node_available = cluster_resources()
     bundle = dict(preset.resources_per_worker())
     for name, amount in (extra_per_worker or {}).items():
         bundle[name] = bundle.get(name, 0.0) + amount
-    totals: dict[str, float] = {}
+    totals: NodeResources = {}
     for node in node_totals:
         for name, amount in node.items():
             totals[name] = totals.get(name, 0.0) + amount
     asked = f"{preset.num_workers} worker(s) x ({_describe(bundle)}), {preset.placement_strategy}"
     if not _placeable(bundle, preset.num_workers, preset.placement_strategy, node_totals):
-        largest = max(node_totals, key=lambda n: n.get("GPU", 0.0) + n.get("CPU", 0.0),
-                      default={})
+        shown_nodes = "; ".join(
+            f"node {index}: {_describe({k: v for k, v in node.items() if k in bundle})}"
+            for index, node in enumerate(node_totals[:MAX_NODES_SHOWN])
+        )
+        more = (f"; and {len(node_totals) - MAX_NODES_SHOWN} more"
+                if len(node_totals) > MAX_NODES_SHOWN else "")
         raise InfeasibleResourcesError(
             f"preset {preset.name!r} asks for {asked}, but the cluster has "
-            f"{len(node_totals)} node(s) with {_describe(totals)} in total (largest node: "
-            f"{_describe(largest)}); it would wait forever. Pick a smaller preset "
-            "(`raydeck presets`) or add nodes."
+            f"{len(node_totals)} node(s) with {_describe(totals)} in total ({shown_nodes}"
+            f"{more}); it would wait forever. Pick a smaller preset (`raydeck presets`) or "
+            "add nodes."
         )
     if _placeable(bundle, preset.num_workers, preset.placement_strategy, node_available):
         return Feasibility(True, f"{asked}: fits now")
-    return Feasibility(
-        False,
-        f"{asked}: feasible, but the cluster is busy; queued until running work frees "
-        "resources",
-    )
-
-
-def _split_available(node_totals: list[dict[str, float]], available: dict[str, float]
-                     ) -> list[dict[str, float]]:
-    totals: dict[str, float] = {}
-    for node in node_totals:
-        for name, amount in node.items():
-            totals[name] = totals.get(name, 0.0) + amount
-    return [
-        {name: amount * (available.get(name, 0.0) / totals[name] if totals.get(name) else 0.0)
-         for name, amount in node.items()}
-        for node in node_totals
-    ]
+    message = (f"{asked}: feasible, but the cluster is busy; queued until running work frees "
+               "resources")
+    logger.info(message)
+    return Feasibility(False, message)

@@ -38,7 +38,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 S3_CONNECT_TIMEOUT_S = 5.0
-S3_READ_TIMEOUT_S = 60.0
+# How long a request may wait for the next bytes. The AWS SDK's default (3 s) is too short for
+# a busy MinIO and costs a retry each time it trips.
+S3_READ_TIMEOUT_S = 30.0
 # Requests of raydeck's own checks (status, init, preflight) retry a little: a person is waiting.
 CHECK_RETRIES = 2
 CHECK_BACKOFF_S = 0.2
@@ -57,7 +59,9 @@ def secret_env(storage: StorageSettings) -> dict[str, str]:
     """Environment that lets MLflow, boto3, pyarrow and raydeck itself reach the bucket store.
 
     Holds the secret, so it goes only into process environments and Ray runtime envs built in
-    memory, never into files, logs, MLflow params or tags. Empty when storage is not configured.
+    memory, never into files, logs, MLflow params or tags written by raydeck (note that Ray's
+    runtime env agent logs each runtime env it creates, env vars included, under
+    ``/tmp/ray/session_*/logs``). Empty when storage is not configured.
     ``AWS_ENDPOINT_URL_S3`` makes plain ``s3://`` URIs (``ray.train.Checkpoint(uri)``,
     ``pyarrow.fs.FileSystem.from_uri``, boto3) resolve to the same endpoint without touching
     other AWS services a job may use.
@@ -162,6 +166,7 @@ def s3_filesystem(storage: StorageSettings) -> RetryingS3FileSystem:
         scheme="https" if storage.secure else "http",
         endpoint_override=_host(storage),
         connect_timeout=S3_CONNECT_TIMEOUT_S,
+        request_timeout=S3_READ_TIMEOUT_S,
     )
 
 
@@ -196,6 +201,19 @@ def checkpoint_storage(settings: Settings) -> CheckpointStorage:
         uri=checkpoints_uri(storage),
         filesystem=s3_filesystem(storage),
     )
+
+
+def checkpoint_at(settings: Settings, uri: str) -> Any:
+    """The ``ray.train.Checkpoint`` at ``uri``, e.g. a run's ``raydeck.checkpoint.latest`` tag.
+
+    An ``s3://`` URI is read with raydeck's storage settings (endpoint, credentials, retries),
+    so it opens anywhere raydeck's settings are, not only where the AWS variables are set.
+    """
+    from ray.train import Checkpoint
+
+    if uri.startswith("s3://") and settings.storage.configured:
+        return Checkpoint(uri.removeprefix("s3://"), filesystem=s3_filesystem(settings.storage))
+    return Checkpoint(uri)
 
 
 # --- errors ----------------------------------------------------------------------------------

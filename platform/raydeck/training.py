@@ -13,12 +13,10 @@ from collections.abc import Callable
 from typing import Any
 
 from raydeck.config import Settings
+from raydeck.scaling import DEFAULT_CHECKPOINTS_TO_KEEP, DEFAULT_MAX_FAILURES
 from raydeck.tracking.client import Tracker
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_FAILURES = 3
-DEFAULT_CHECKPOINTS_TO_KEEP = 2
 
 
 def checkpoint_storage_path(settings: Settings) -> str:

@@ -11,7 +11,17 @@ import sys
 import typer
 from rich.markup import escape
 
-from raydeck.cli import demo, presets, status, storage, tracking
+from raydeck.cli import (
+    dashboards,
+    demo,
+    jobs,
+    monitoring,
+    presets,
+    status,
+    storage,
+    sweep,
+    tracking,
+)
 from raydeck.cli import settings as settings_cmd
 from raydeck.cli._console import EXIT_USER_ERROR, err_console
 
@@ -44,9 +54,15 @@ def _root(
 app.command("demo")(demo.demo)
 app.command("status")(status.status)
 app.command("presets")(presets.presets)
+app.command("submit", context_settings={"allow_extra_args": True,
+                                        "ignore_unknown_options": True})(jobs.submit)
+app.command("jobs")(jobs.jobs)
+app.command("sweep")(sweep.sweep)
 app.add_typer(tracking.app, name="tracking")
 app.add_typer(settings_cmd.app, name="config")
 app.add_typer(storage.app, name="storage")
+app.add_typer(dashboards.app, name="dashboards")
+app.add_typer(monitoring.app, name="monitoring")
 
 
 def main() -> None:

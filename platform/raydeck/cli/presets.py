@@ -8,20 +8,21 @@ from raydeck.cli._console import console
 
 
 def presets() -> None:
-    """List scaling presets: workers, CPUs/GPUs/memory per worker, placement strategy."""
+    """List scaling presets: workers, CPUs/GPUs/memory per worker, placement, fault tolerance."""
     from raydeck.config import load_settings
     from raydeck.scaling import load_presets
 
     settings = load_settings()
     table = Table(title="scaling presets")
     for column in ("name", "workers", "CPU/worker", "GPU/worker", "memory/worker",
-                   "placement", "max failures", "description"):
+                   "placement", "max failures", "checkpoints kept", "description"):
         table.add_column(column)
     for preset in sorted(load_presets(settings.presets_file).values(), key=lambda p: p.name):
         table.add_row(
             preset.name, str(preset.num_workers), f"{preset.cpus_per_worker:g}",
             f"{preset.gpus_per_worker:g}",
             f"{preset.memory_per_worker_gb:g} GiB" if preset.memory_per_worker_gb else "-",
-            preset.placement_strategy, str(preset.max_failures), preset.description,
+            preset.placement_strategy, str(preset.max_failures), str(preset.checkpoints_to_keep),
+            preset.description,
         )
     console.print(table)

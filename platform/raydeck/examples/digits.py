@@ -9,6 +9,7 @@ also across worker failures. ``raydeck demo``, ``jobs/digits_torch.py`` and the 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import tempfile
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from raydeck.errors import ConfigError
 
@@ -41,7 +42,6 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "seed": 0,
 }
 VAL_FRACTION = 0.2
-MODEL_ARTIFACT_PATH = "model"
 
 
 def load_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -99,23 +99,6 @@ def train_epoch(model: nn.Module, loader: DataLoader, optimizer: torch.optim.Opt
     return total_loss / max(samples, 1), samples
 
 
-def save_mlflow_model(model: nn.Module, directory: Path, input_example: np.ndarray) -> Path:
-    """Save ``model`` in MLflow's pytorch flavor (loadable with ``mlflow.pytorch.load_model``).
-
-    The pickle format keeps saving fast and dependency-free (the class is importable from
-    raydeck); the input example gives the model a signature in the MLflow UI. Pinning the
-    requirements skips MLflow's requirement inference, which imports the world.
-    """
-    import mlflow.pytorch
-
-    target = directory / MODEL_ARTIFACT_PATH
-    mlflow.pytorch.save_model(
-        model, str(target), serialization_format="pickle", input_example=input_example,
-        pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
-    )
-    return target
-
-
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Train the digits MLP on one Ray Train worker; every worker runs this."""
     import ray.train
@@ -123,6 +106,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
     import raydeck
     from raydeck.checkpointing import report_epoch, restore
+    from raydeck.models import save_torch_model
 
     config = {**DEFAULT_CONFIG, **config}
     # No run id is passed: the tracker finds the run this Ray Train job belongs to.
@@ -144,7 +128,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         state = restore(tracker, model=model, optimizer=optimizer)
         first_epoch = state.epoch + 1 if state else 0
         for epoch in range(first_epoch, config["epochs"]):
-            if ray.train.get_context().get_world_size() > 1:
+            if isinstance(loader.sampler, DistributedSampler):
                 loader.sampler.set_epoch(epoch)
             started = time.perf_counter()
             train_loss, samples = train_epoch(model, loader, optimizer)
@@ -159,7 +143,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         if ray.train.get_context().get_world_rank() == 0:
             with tempfile.TemporaryDirectory() as tmp:
                 plain = model.module if hasattr(model, "module") else model
-                tracker.log_artifact(save_mlflow_model(plain.cpu(), Path(tmp), x_val[:2]))
+                tracker.log_artifact(save_torch_model(plain.cpu(), Path(tmp), x_val[:2]))
 
 
 @dataclass(frozen=True)
@@ -184,12 +168,19 @@ def run_digits(
     mode: str | None = None,
     settings: Settings | None = None,
     watch: Callable[[Tracker, threading.Event], None] | None = None,
+    train_fn: Callable[[dict[str, Any]], None] = train_loop_per_worker,
 ) -> DigitsRun:
     """Train the digits classifier on Ray Train, tracked in MLflow; the driver side of the job.
 
     Validates the preset and the cluster's capacity before starting anything. With ``watch``,
     training runs in a background thread while ``watch(tracker, done)`` runs in the caller's
-    thread (the CLI draws its progress display there) until ``done`` is set.
+    thread (the CLI draws its progress display there) until ``done`` is set. ``train_fn`` is the
+    per-worker loop: plain PyTorch (:func:`train_loop_per_worker`, the default) or Lightning
+    (:func:`raydeck.examples.digits_lightning.train_loop_per_worker`).
+
+    With ``run_id`` (or ``RAYDECK_RUN_ID``) naming a run whose driver died, training resumes in
+    that run from its latest committed checkpoint: Ray Train's storage folder is named by the
+    run id, and the tracker attaches to the existing MLflow run.
 
     Raises:
         PresetError: unknown or invalid preset.
@@ -218,9 +209,10 @@ def run_digits(
         def train() -> None:
             try:
                 outcome["result"] = fit(
-                    train_loop_per_worker, tracker=tracker, settings=settings,
+                    train_fn, tracker=tracker, settings=settings,
                     train_loop_config=config, scaling_config=chosen.scaling_config(),
                     max_failures=chosen.max_failures,
+                    checkpoints_to_keep=chosen.checkpoints_to_keep,
                 )
             except BaseException as exc:
                 outcome["error"] = exc
@@ -246,3 +238,87 @@ def run_digits(
             tracking_uri=settings.tracking.uri, wall_time_s=0.0,
         )
     return dataclasses.replace(run, wall_time_s=time.perf_counter() - started)
+
+
+SWEEP_REPORTS = ("val_accuracy", "val_loss", "train_loss", "trial_setup_s")
+
+
+def load_sweep_data(seed: int = 0) -> dict[str, np.ndarray]:
+    """The digits split as arrays, loaded once on the sweep's driver (then in the object store)."""
+    x_train, y_train, x_val, y_val = load_split(seed)
+    return {"x_train": x_train, "y_train": y_train, "x_val": x_val, "y_val": y_val}
+
+
+def sweep_trial(config: dict[str, Any], data: dict[str, np.ndarray]) -> None:
+    """One single-process Tune trial of the digits MLP.
+
+    Each Tune iteration trains ``epochs_per_iteration`` epochs, so an iteration carries enough
+    work for early stopping to save real time. Tune stops the trial (max_t, or ASHA) from
+    inside :func:`raydeck.tune.report`.
+    """
+    import itertools
+
+    import raydeck.tune
+
+    started = time.perf_counter()
+    config = {**DEFAULT_CONFIG, "epochs_per_iteration": 1, **config}
+    torch.manual_seed(int(config["seed"]))
+    model = DigitsMLP(int(config["hidden"]), float(config["dropout"]))
+    optimizer = torch.optim.Adam(model.parameters(), lr=float(config["lr"]))
+    loader = DataLoader(
+        TensorDataset(torch.from_numpy(data["x_train"]), torch.from_numpy(data["y_train"])),
+        batch_size=int(config["batch_size"]), shuffle=True,
+    )
+    x_val, y_val = torch.from_numpy(data["x_val"]), torch.from_numpy(data["y_val"])
+    done = raydeck.tune.restore(model, optimizer)
+    setup_s = time.perf_counter() - started
+    for _ in itertools.count(done + 1):
+        for _epoch in range(int(config["epochs_per_iteration"])):
+            train_loss, _samples = train_epoch(model, loader, optimizer)
+        val_loss, val_accuracy = evaluate(model, x_val, y_val)
+        raydeck.tune.report(
+            {"val_accuracy": val_accuracy, "val_loss": val_loss, "train_loss": train_loss,
+             "trial_setup_s": setup_s},
+            model=model, optimizer=optimizer,
+        )
+
+
+def digits_sweep_job() -> Any:
+    """The digits classifier as a :class:`raydeck.tune.SweepJob`."""
+    from raydeck.tune import SweepJob
+
+    return SweepJob(
+        train_fn=sweep_trial, reports=SWEEP_REPORTS, load_data=load_sweep_data,
+        model_factory=lambda config: DigitsMLP(int(config["hidden"]), float(config["dropout"])),
+    )
+
+
+def job_arguments(description: str, run_name: str) -> argparse.ArgumentParser:
+    """The command line of the digits jobs (``jobs/digits_*.py``): preset, run and config.
+
+    Every key of :data:`DEFAULT_CONFIG` is an option (``--batch-size 32``).
+    """
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--preset", default="cpu-2", help="scaling preset (raydeck presets)")
+    parser.add_argument("--run-name", default=run_name, help="MLflow run name")
+    parser.add_argument("--run-id", default=None,
+                        help="shared run id: resume or join this run (default RAYDECK_RUN_ID)")
+    parser.add_argument("--mode", default=None, choices=["rank_zero", "all_ranks", "per_rank"],
+                        help="tracking mode (default RAYDECK_TRACKING_MODE)")
+    for name, default in DEFAULT_CONFIG.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    return parser
+
+
+def run_job(train_fn: Callable[[dict[str, Any]], None], *, description: str, run_name: str,
+            argv: list[str] | None = None) -> DigitsRun:
+    """The ``main`` of a digits job: parse its command line, train, log where the run is."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    args = job_arguments(description, run_name).parse_args(argv)
+    run = run_digits(
+        preset=args.preset, config={name: getattr(args, name) for name in DEFAULT_CONFIG},
+        run_name=args.run_name, run_id=args.run_id, mode=args.mode, train_fn=train_fn,
+    )
+    logger.info("MLflow run %s (%s): val_accuracy %.3f in %.0f s; tracking URI %s",
+                run.run_id, run.run_name, run.val_accuracy, run.wall_time_s, run.tracking_uri)
+    return run

@@ -6,9 +6,8 @@
 - :mod:`raydeck.observability.prometheus`: the Prometheus configuration ``raydeck monitoring
   config`` writes, and a small client for Prometheus' HTTP query API.
 - :mod:`raydeck.observability.alerts`: alert rules as data, rendered to Prometheus rule files.
-- :mod:`raydeck.observability.dashboards`: dashboards as data, rendered to Grafana JSON, pushed
-  to Grafana and checked against Prometheus.
-
-Nothing is imported here so that ``import raydeck.observability.dashboards`` (the CLI's render
-and push) does not import Ray.
+- :mod:`raydeck.observability.dashboards`: dashboards as data, rendered to Grafana JSON and
+  checked against Prometheus.
+- :mod:`raydeck.observability.grafana`: Grafana provisioning, and pushing dashboards (raydeck's
+  and Ray's own) with the Prometheus datasource over Grafana's API.
 """

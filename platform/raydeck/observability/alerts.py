@@ -81,10 +81,22 @@ class RuleGroup:
             raise ValueError(f"rule group {self.name}: duplicate alert(s) {', '.join(duplicates)}")
 
 
+class _RulesDumper(yaml.SafeDumper):
+    """Writes multi-line PromQL as ``|`` blocks, so the rule file reads like the source."""
+
+
+def _represent_text(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+
+_RulesDumper.add_representer(str, _represent_text)
+
+
 def render_rules(groups: tuple[RuleGroup, ...] | list[RuleGroup]) -> str:
     """The Prometheus rule file for ``groups``: deterministic YAML text."""
     document = {"groups": [{"name": g.name, "rules": [r.to_dict() for r in g.rules]}
                            for g in groups]}
     header = ("# Rendered by `raydeck dashboards render` from dashboards/alerts/rules.py; "
               "edit that file, not this one.\n")
-    return header + yaml.safe_dump(document, sort_keys=False, width=100)
+    return header + yaml.dump(document, Dumper=_RulesDumper, sort_keys=False, width=100)

@@ -1,22 +1,22 @@
-"""Dashboards as code: panel definitions rendered to Grafana JSON, pushed, and checked.
+"""Dashboards as code: panel definitions rendered to Grafana JSON, and checked against Prometheus.
 
 Owns: the dashboard model (:class:`Dashboard`, :class:`Row`, :class:`Panel`, :class:`Target`,
 :class:`Variable`), its deterministic rendering to Grafana dashboard JSON, loading the
 definitions in ``dashboards/*.py`` (and the alert rules in ``dashboards/alerts/rules.py``),
-the Grafana provisioning files, ``push`` (dashboards, folders and the Prometheus datasource
-through the Grafana HTTP API) and ``check`` (every panel's query against a Prometheus).
-Does not own: which panels exist (``dashboards/*.py``) or the metrics they read
-(:mod:`raydeck.observability.metrics`).
+writing everything ``raydeck dashboards render`` produces, and ``check`` (every panel's query
+against a Prometheus). Does not own: which panels exist (``dashboards/*.py``), the metrics they
+read (:mod:`raydeck.observability.metrics`) or talking to Grafana
+(:mod:`raydeck.observability.grafana`).
 
 Why hand-written dataclasses and not a library: raydeck emits four kinds of JSON object
 (dashboard, row, panel, variable) in the stable subset of Grafana's schema that Grafana migrates
 forward, and needs a model that tests and ``check`` can walk (every target's PromQL, why a panel
-may be empty). That is ~300 lines, the same choice Ray made for its own dashboards
-(``ray/dashboard/modules/metrics/dashboards/*_panels.py``). grafanalib would add a dependency
-whose last release (0.7.1, January 2024) predates current Grafana panel options and whose
-maintainer has shut down; grafana-foundation-sdk is generated per Grafana release (versions are
-tied to a Grafana version) and its builder API is far larger than what we use. Either way we
-would still wrap it to keep the walkable model.
+may be empty). Model and rendering are ~250 lines, the same choice Ray made for its own
+dashboards (``ray/dashboard/modules/metrics/dashboards/*_panels.py``). grafanalib would add a
+dependency whose last release (0.7.1, January 2024) predates current Grafana panel options and
+whose company (Weaveworks) has closed; grafana-foundation-sdk is generated per Grafana release
+(its versions are tied to a Grafana version) and its builder API is far larger than what we
+use. Either way we would still wrap it to keep the walkable model.
 
 Rendering is deterministic: ids are assigned in order, keys are sorted, nothing depends on time,
 so ``raydeck dashboards render --check`` (and a test) can demand that the committed JSON equals
@@ -34,37 +34,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-import yaml
-
-from raydeck.config import Secret
-from raydeck.errors import ConfigError, MonitoringError, QueryError
+from raydeck.errors import ConfigError, QueryError
 from raydeck.observability.alerts import RULES_FILE_NAME, RuleGroup, render_rules
+from raydeck.observability.grafana import DATASOURCE_NAME, DATASOURCE_UID, provisioning_files
+from raydeck.observability.metrics import MetricSpec
 from raydeck.observability.prometheus import CLUSTER_LABEL, PrometheusClient, prometheus_duration
 
 PanelKind = Literal["timeseries", "stat"]
 
 GRID_WIDTH = 24
 SCHEMA_VERSION = 39
-DATASOURCE_UID = "raydeck-prometheus"
-DATASOURCE_NAME = "Prometheus (raydeck)"
 DATASOURCE_REF = {"type": "prometheus", "uid": "${datasource}"}
-FOLDER_UID = "raydeck"
-FOLDER_TITLE = "raydeck"
-RAY_FOLDER_UID = "raydeck-ray"
-RAY_FOLDER_TITLE = "Ray"
 RENDERED_DIR = "grafana"
 ALERTS_DIR = "alerts"
 RULES_DEFINITION = "rules.py"
-PROVISIONING_DIR = "provisioning"
-# Where the compose stack's Grafana container finds raydeck's JSON and the Ray head's temp dir.
-GRAFANA_DASHBOARDS_PATH = "/etc/grafana/dashboards/raydeck"
-GRAFANA_RAY_DASHBOARDS_PATH = "/tmp/ray/session_latest/metrics/grafana/dashboards"
-GRAFANA_PROMETHEUS_URL = "http://prometheus:9090"
 # Grafana's own variables, which `check` replaces with concrete values.
 BUILTIN_VARIABLES = ("__rate_interval", "__interval", "__range")
-PUSH_TIMEOUT_S = 30.0
 DEFAULT_CHECK_RANGE_S = 900.0
-DEFAULT_CHECK_STEP_S = 15.0
+# `check` evaluates this many points over its range (at least one per second), so a series
+# that lived only seconds, like a short run's gauges, is still seen, as Grafana would draw it.
+CHECK_POINTS = 300
+MIN_CHECK_STEP_S = 1.0
 DEFAULT_RATE_INTERVAL_S = 60.0
 
 _VARIABLE_REF = re.compile(r"\$\{(\w+)\}|\$(\w+)")
@@ -102,6 +92,8 @@ class Panel:
         stack: stack the series (timeseries only).
         empty_ok: why the panel may legitimately show no data (``needs GPUs``); ``check``
             reports such a panel as expected-empty instead of failing.
+        no_value: what Grafana shows instead of "No data" (``0`` for a count of failures
+            that Ray only exports once one happened).
     """
 
     title: str
@@ -114,6 +106,7 @@ class Panel:
     height: int = 8
     stack: bool = False
     empty_ok: str = ""
+    no_value: str = ""
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -237,6 +230,11 @@ def variables_used(expr: str) -> set[str]:
     return {a or b for a, b in _VARIABLE_REF.findall(expr)}
 
 
+def ref_id(index: int) -> str:
+    """Grafana's id of a panel's ``index``-th query: A, B, C, ..."""
+    return chr(ord("A") + index)
+
+
 def substitute(expr: str, values: Mapping[str, str]) -> str:
     """``expr`` with every ``$var``/``${var}`` replaced by ``values[var]``.
 
@@ -261,6 +259,8 @@ def _render_panel(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]
     steps += [{"color": t.color, "value": t.value} for t in panel.thresholds]
     defaults: dict[str, Any] = {"unit": panel.unit,
                                 "thresholds": {"mode": "absolute", "steps": steps}}
+    if panel.no_value:
+        defaults["noValue"] = panel.no_value
     rendered: dict[str, Any] = {
         "id": panel_id,
         "type": panel.kind,
@@ -269,7 +269,7 @@ def _render_panel(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]
         "datasource": DATASOURCE_REF,
         "gridPos": {"x": x, "y": y, "w": panel.width, "h": panel.height},
         "targets": [
-            {"refId": chr(ord("A") + i), "datasource": DATASOURCE_REF, "expr": t.expr,
+            {"refId": ref_id(i), "datasource": DATASOURCE_REF, "expr": t.expr,
              "legendFormat": t.legend, "range": True, "instant": False}
             for i, t in enumerate(panel.targets)
         ],
@@ -319,7 +319,19 @@ def _render_variable(variable: Variable) -> dict[str, Any]:
     }
 
 
-# --- the variables every raydeck dashboard shares ------------------------------------------
+# --- what every raydeck dashboard shares ----------------------------------------------------
+CLUSTER_FILTER = f'{CLUSTER_LABEL}=~"$cluster"'
+
+
+def selector(metric: MetricSpec | str, *matchers: str, suffix: str = "") -> str:
+    """``name{m1, m2}``: a series selector for ``metric`` (a spec or a Ray metric name).
+
+    ``suffix`` picks a histogram's ``_bucket``/``_sum``/``_count`` series.
+    """
+    name = metric.prometheus_name if isinstance(metric, MetricSpec) else metric
+    return f"{name}{suffix}{{{', '.join(m for m in matchers if m)}}}"
+
+
 CLUSTER = Variable(
     "cluster", "Cluster", f"label_values(ray_node_cpu_count, {CLUSTER_LABEL})",
     "Ray cluster: the ray_io_cluster label (`raydeck monitoring config --cluster-name`, or "
@@ -389,34 +401,6 @@ def _load_attribute(path: Path, attribute: str, kind: type) -> Any:
 
 
 # --- rendering -----------------------------------------------------------------------------
-def provisioning_files() -> dict[str, str]:
-    """Grafana provisioning for the compose stack, by path relative to ``dashboards/``.
-
-    The datasource has the uid ``push`` uses; raydeck's dashboards come from the rendered
-    JSON mounted at :data:`GRAFANA_DASHBOARDS_PATH`, Ray's from the running Ray head's
-    session directory (Ray writes them there; they are not copied into this repository).
-    """
-    datasources = {"apiVersion": 1, "datasources": [{
-        "name": DATASOURCE_NAME, "uid": DATASOURCE_UID, "type": "prometheus",
-        "access": "proxy", "url": GRAFANA_PROMETHEUS_URL, "isDefault": True,
-        "jsonData": {"httpMethod": "POST", "timeInterval": "15s"}}]}
-    providers = {"apiVersion": 1, "providers": [
-        {"name": "raydeck", "folder": FOLDER_TITLE, "folderUid": FOLDER_UID, "type": "file",
-         "disableDeletion": True, "allowUiUpdates": False, "updateIntervalSeconds": 30,
-         "options": {"path": GRAFANA_DASHBOARDS_PATH}},
-        {"name": "ray", "folder": RAY_FOLDER_TITLE, "folderUid": RAY_FOLDER_UID, "type": "file",
-         "disableDeletion": True, "allowUiUpdates": False, "updateIntervalSeconds": 30,
-         "options": {"path": GRAFANA_RAY_DASHBOARDS_PATH}},
-    ]}
-    header = "# Rendered by `raydeck dashboards render`; edit raydeck/observability/dashboards.py.\n"
-    return {
-        f"{PROVISIONING_DIR}/datasources/raydeck.yml":
-            header + yaml.safe_dump(datasources, sort_keys=False),
-        f"{PROVISIONING_DIR}/dashboards/raydeck.yml":
-            header + yaml.safe_dump(providers, sort_keys=False),
-    }
-
-
 def rendered_files(source_dir: Path) -> dict[Path, str]:
     """Everything ``render`` writes under ``source_dir``, by path: dashboards, rules, provisioning.
     """
@@ -455,6 +439,7 @@ class PanelCheck:
 
     dashboard: str
     panel: str
+    ref: str
     expr: str
     series: tuple[dict[str, str], ...]
     error: str = ""
@@ -478,20 +463,21 @@ def check(
     client: PrometheusClient,
     *,
     range_s: float = DEFAULT_CHECK_RANGE_S,
-    step_s: float = DEFAULT_CHECK_STEP_S,
+    step_s: float | None = None,
     rate_interval_s: float = DEFAULT_RATE_INTERVAL_S,
     values: Mapping[str, str] | None = None,
 ) -> list[PanelCheck]:
     """Run every panel query of ``dashboards`` against ``client`` over the last ``range_s``.
 
     Variables take ``values[name]`` or their "All" value, Grafana's built-ins concrete
-    durations, so each query is what Grafana would send for the default view. A panel has
-    data when any query returns a series with any sample in the range, as Grafana draws it.
+    durations, so each query is what Grafana would send for the default view. A query has
+    data when it returns a series with a drawable (not NaN) sample in the range.
 
     Raises:
         MonitoringError: Prometheus cannot be reached (query errors are reported per panel).
     """
     end_s = time.time()
+    step_s = step_s or max(MIN_CHECK_STEP_S, range_s / CHECK_POINTS)
     results = []
     for dashboard in dashboards:
         bound = {v.name: (values or {}).get(v.name, v.all_value) for v in dashboard.variables}
@@ -500,7 +486,7 @@ def check(
                       "__range": prometheus_duration(range_s),
                       "datasource": DATASOURCE_UID})
         for panel in dashboard.panels():
-            for target in panel.targets:
+            for index, target in enumerate(panel.targets):
                 expr = substitute(target.expr, bound)
                 try:
                     series = client.query_range(expr, end_s - range_s, end_s, step_s)
@@ -508,154 +494,13 @@ def check(
                 except QueryError as exc:
                     series, error = [], str(exc)
                 results.append(PanelCheck(
-                    dashboard=dashboard.title, panel=panel.title, expr=expr,
-                    series=tuple(dict(s.get("metric", {})) for s in series if s.get("values")),
+                    dashboard=dashboard.title, panel=panel.title, ref=ref_id(index),
+                    expr=expr,
+                    series=tuple(dict(s.get("metric", {})) for s in series if _drawn(s)),
                     error=error, empty_ok=panel.empty_ok))
     return results
 
 
-# --- push ----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PushResult:
-    """What ``push`` did: datasource ``created``/``updated``, and each dashboard's URL path."""
-
-    datasource: str
-    dashboards: tuple[tuple[str, str], ...]
-
-
-def ray_dashboards() -> list[dict[str, Any]]:
-    """Ray's own Grafana dashboards, generated by the installed Ray (as its head does at start).
-
-    Fetched at deploy time rather than copied into the repository, so they always match the
-    Ray version that runs. Their datasource variable is preset to raydeck's datasource.
-    """
-    from ray.dashboard.modules.metrics import grafana_dashboard_factory as factory
-
-    generators = [getattr(factory, name) for name in sorted(dir(factory))
-                  if name.startswith("generate_") and name.endswith("_grafana_dashboard")]
-    dashboards = []
-    for generate in generators:
-        content, _uid = generate()
-        dashboard = json.loads(content)
-        for variable in dashboard.get("templating", {}).get("list", []):
-            if variable.get("type") == "datasource":
-                variable["current"] = {"text": DATASOURCE_NAME, "value": DATASOURCE_UID}
-        dashboards.append(dashboard)
-    return dashboards
-
-
-def push(
-    grafana_url: str,
-    token: Secret,
-    dashboards: list[dict[str, Any]],
-    *,
-    prometheus_url: str,
-    ray: list[dict[str, Any]] | None = None,
-) -> PushResult:
-    """Upload raydeck's dashboards (and Ray's) and the Prometheus datasource to Grafana.
-
-    Idempotent: the datasource, folders and dashboards keep fixed uids, existing ones are
-    overwritten in place, so links never break and running it twice changes nothing.
-
-    Args:
-        grafana_url: e.g. ``http://grafana:3000``.
-        token: a Grafana service-account token (Editor; Admin to create the datasource).
-        dashboards: rendered raydeck dashboards (:meth:`Dashboard.render`).
-        prometheus_url: the URL Grafana itself uses to reach Prometheus.
-        ray: Ray's dashboards to upload into the "Ray" folder (:func:`ray_dashboards`).
-
-    Raises:
-        ConfigError: a URL is malformed or the token is empty.
-        MonitoringError: Grafana is unreachable, refuses the token, or rejects a request; the
-            message names the step and never contains the token.
-    """
-    from grafana_client import GrafanaApi
-
-    for name, url in (("Grafana URL", grafana_url), ("Prometheus URL", prometheus_url)):
-        if not re.match(r"^https?://[^/\s]+", url):
-            raise ConfigError(f"{name} {url!r}: must look like http://host:port")
-    if not token:
-        raise ConfigError("no Grafana token: pass --token or set GRAFANA_TOKEN to a "
-                          "service-account token with the Editor role")
-    api = GrafanaApi.from_url(grafana_url, credential=token.reveal(), timeout=PUSH_TIMEOUT_S)
-    call = _GrafanaCalls(grafana_url)
-    datasource = {"uid": DATASOURCE_UID, "name": DATASOURCE_NAME, "type": "prometheus",
-                  "access": "proxy", "url": prometheus_url, "isDefault": False,
-                  "jsonData": {"httpMethod": "POST", "timeInterval": "15s"}}
-    if call.exists("look up the datasource", api.datasource.get_datasource_by_uid,
-                   DATASOURCE_UID):
-        call("update the datasource", api.datasource.update_datasource_by_uid, DATASOURCE_UID,
-             datasource)
-        datasource_action = "updated"
-    else:
-        call("create the datasource", api.datasource.create_datasource, datasource)
-        datasource_action = "created"
-    uploads = [(FOLDER_UID, FOLDER_TITLE, d) for d in dashboards]
-    uploads += [(RAY_FOLDER_UID, RAY_FOLDER_TITLE, d) for d in ray or []]
-    for folder_uid, folder_title in dict.fromkeys((u, t) for u, t, _ in uploads):
-        if not call.exists(f"look up folder {folder_title}", api.folder.get_folder, folder_uid):
-            call(f"create folder {folder_title}", api.folder.create_folder, folder_title,
-                 uid=folder_uid)
-    pushed = []
-    for folder_uid, _, dashboard in uploads:
-        answer = call(f"upload dashboard {dashboard.get('title')!r}",
-                      api.dashboard.update_dashboard,
-                      {"dashboard": {**dashboard, "id": None}, "folderUid": folder_uid,
-                       "overwrite": True, "message": "raydeck dashboards push"})
-        pushed.append((str(dashboard.get("title")), str((answer or {}).get("url", ""))))
-    return PushResult(datasource=datasource_action, dashboards=tuple(pushed))
-
-
-_MISSING = object()
-
-
-class _GrafanaCalls:
-    """Runs grafana-client calls, turning its exceptions into one clear MonitoringError."""
-
-    def __init__(self, url: str) -> None:
-        from raydeck.tracking.router import _redact
-
-        self.url = _redact(url)
-
-    def __call__(self, what: str, fn: Any, *args: Any, missing_ok: bool = False,
-                 **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)``; with ``missing_ok``, HTTP 404 returns ``_MISSING``."""
-        import niquests
-        from grafana_client.client import (
-            GrafanaClientError,
-            GrafanaException,
-            GrafanaUnauthorizedError,
-        )
-
-        try:
-            return fn(*args, **kwargs)
-        except GrafanaUnauthorizedError:
-            raise MonitoringError(
-                f"Grafana at {self.url} refused the token (HTTP 401) to {what}; pass a valid "
-                "service-account token with --token or GRAFANA_TOKEN") from None
-        except GrafanaClientError as exc:
-            if missing_ok and exc.status_code == 404:
-                return _MISSING
-            if exc.status_code == 403:
-                raise MonitoringError(
-                    f"Grafana at {self.url}: the token may not {what} (HTTP 403); give its "
-                    "service account the Editor role (Admin to create the datasource)") from None
-            raise MonitoringError(f"Grafana at {self.url} refused to {what}: HTTP "
-                                  f"{exc.status_code} {_message(exc)}") from None
-        except GrafanaException as exc:
-            raise MonitoringError(f"Grafana at {self.url} failed to {what}: "
-                                  f"{_message(exc)}") from None
-        except niquests.exceptions.RequestException as exc:
-            raise MonitoringError(f"cannot reach Grafana at {self.url} to {what} "
-                                  f"({type(exc).__name__}); check --url / GRAFANA_URL") from None
-
-    def exists(self, what: str, fn: Any, *args: Any) -> bool:
-        """True when ``fn(*args)`` finds the object, False when Grafana answers 404."""
-        return self(what, fn, *args, missing_ok=True) is not _MISSING
-
-
-def _message(exc: Any) -> str:
-    response = getattr(exc, "response", None)
-    if isinstance(response, dict) and "message" in response:
-        return str(response["message"])[:200]
-    return str(getattr(exc, "message", exc))[:200]
+def _drawn(series: Mapping[str, Any]) -> bool:
+    """Whether Grafana would draw anything of ``series``: some sample that is a number."""
+    return any(value not in ("NaN", "+Inf", "-Inf") for _, value in series.get("values", []))

@@ -45,9 +45,10 @@ import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from ray.util.metrics import Counter, Gauge, Histogram
+if TYPE_CHECKING:
+    from ray.util.metrics import Counter, Gauge, Histogram
 
 logger = logging.getLogger(__name__)
 
@@ -209,12 +210,16 @@ _objects_lock = threading.Lock()
 
 def counter(spec: MetricSpec) -> Counter:
     """This process's Ray Counter for ``spec``."""
+    from ray.util.metrics import Counter
+
     return _object(spec, "counter", lambda: Counter(spec.name, spec.description,
                                                      tag_keys=spec.labels))
 
 
 def histogram(spec: MetricSpec) -> Histogram:
     """This process's Ray Histogram for ``spec``."""
+    from ray.util.metrics import Histogram
+
     return _object(spec, "histogram", lambda: Histogram(
         spec.name, spec.description, boundaries=list(spec.boundaries), tag_keys=spec.labels))
 
@@ -308,6 +313,8 @@ class HeldGauge:
     """
 
     def __init__(self, spec: MetricSpec) -> None:
+        from ray.util.metrics import Gauge
+
         self.spec = spec
         self._gauge = Gauge(spec.name, spec.description, tag_keys=spec.labels)
 
@@ -349,7 +356,7 @@ class TrainingMetrics:
             gauge(TRAIN_STEP_TIME).set(now - self._last_report_monotonic, self.tags)
         self._last_report_monotonic = now
         throughput = values.get(THROUGHPUT_KEY)
-        if _finite(throughput):
+        if throughput is not None and _finite(throughput):
             gauge(TRAIN_SAMPLES_PER_S).set(float(throughput), self.tags)
         for key, value in values.items():
             if LOSS_KEY_PART in key and _finite(value):

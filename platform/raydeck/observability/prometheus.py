@@ -75,6 +75,23 @@ def prometheus_duration(seconds: float) -> str:
     return f"{whole}s"
 
 
+def parse_duration(text: str) -> float:
+    """Seconds in a duration such as ``90s``, ``15m``, ``2h`` or ``30`` (seconds).
+
+    Raises:
+        ConfigError: not a positive duration.
+    """
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*", text)
+    seconds = 0.0
+    if match:
+        scale = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2) or "s"]
+        seconds = float(match.group(1)) * scale
+    if seconds <= 0:
+        raise ConfigError(f"duration {text!r}: must be a positive number with an optional unit "
+                          "(ms, s, m, h, d), e.g. 15m")
+    return seconds
+
+
 @dataclass(frozen=True)
 class PrometheusConfig:
     """What Prometheus scrapes and evaluates; :meth:`render` gives its ``prometheus.yml``.

@@ -130,6 +130,11 @@ class Tracker:
             target=self._flush_forever, name=f"raydeck-tracker-{binding.run_key}", daemon=True
         )
         self._thread.start()
+        self._heartbeat_thread = threading.Thread(
+            target=self._heartbeat_forever, name=f"raydeck-heartbeat-{binding.run_key}",
+            daemon=True,
+        )
+        self._heartbeat_thread.start()
 
     # --- identity ----------------------------------------------------------------------------
     @property
@@ -432,8 +437,16 @@ class Tracker:
         except Exception as exc:
             logger.debug("reconnect failed: %s", exc)
 
+    def _heartbeat_forever(self) -> None:
+        """Tell the router this process lives. A thread of its own, so a slow delivery (a busy
+        shard, an overloaded node) never makes a live process look dead."""
+        while not self._closed.wait(HEARTBEAT_INTERVAL_S):
+            try:
+                self._heartbeat()
+            except Exception as exc:
+                logger.debug("heartbeat failed: %s", exc)
+
     def _flush_forever(self) -> None:
-        next_heartbeat = time.monotonic() + HEARTBEAT_INTERVAL_S
         next_sample = time.monotonic()
         interval = self._settings.tracking.system_metrics_interval_s
         sample_step = 0
@@ -450,11 +463,12 @@ class Tracker:
             self._capture_console()
             try:
                 self._deliver_all(time.monotonic() + DELIVERY_TIMEOUT_S)
+            except TrackingUnavailableError as exc:
+                # The batch stays buffered and is retried next round; flush() and finish()
+                # retry too and raise only if the proxy is still unreachable then.
+                logger.warning("%s; retrying", exc)
             except Exception as exc:
                 self._error = exc
-            if now >= next_heartbeat:
-                self._heartbeat()
-                next_heartbeat = now + HEARTBEAT_INTERVAL_S
 
     def _append_system(self, step: int) -> None:
         assert self._sampler is not None
@@ -490,13 +504,17 @@ class Tracker:
             raise error
 
     # --- end ---------------------------------------------------------------------------------
-    def finish(self, status: str = "FINISHED", timeout_s: float | None = None) -> LandedReport:
+    def finish(self, status: str = "FINISHED", timeout_s: float | None = None,
+               wait: bool = True) -> LandedReport:
         """Send everything, wait until it is in MLflow, and leave the run.
 
         Only the primary's finish ends the run (once every other process left); other ranks just
         leave. Waits at most ``timeout_s`` (default ``RAYDECK_TRACKING_FINISH_TIMEOUT_S``); data
         still pending then stays in the shard's spool and lands when MLflow is back: the returned
-        report, and a warning, say exactly what is pending.
+        report, and a warning, say exactly what is pending. With ``wait=False`` it returns once
+        the proxy holds everything (spooled, durable) without waiting for MLflow; the report
+        then says ``landed=False`` with nothing counted (a Tune trial being stopped uses this,
+        because Tune reuses its process only if it exits within seconds).
 
         Raises:
             TrackingUnavailableError: the proxy could not be reached to take the last data.
@@ -515,18 +533,22 @@ class Tracker:
         try:
             self._deliver_all(deadline)
             left = max(1.0, deadline - time.monotonic())
-            report: LandedReport = ray.get(
-                self._shard.wait_landed.remote(sorted({self.run_id, self.parent_run_id}), left),
-                timeout=left + 10,
-            )
+            report = LandedReport(False, Pending())
+            if wait:
+                report = ray.get(
+                    self._shard.wait_landed.remote(sorted({self.run_id, self.parent_run_id}),
+                                                   left),
+                    timeout=left + 10,
+                )
             ray.get(self._router.detach.remote(self._client_id, status),
                     timeout=ROUTER_CALL_TIMEOUT_S)
         finally:
             self._closed.set()
             self._wake.set()
             self._thread.join(timeout=5)
+            self._heartbeat_thread.join(timeout=5)
         self._report = report
-        if not report.landed:
+        if wait and not report.landed:
             logger.warning(
                 "run %s: finish() timed out after %.0f s with %s pending in the tracking proxy; "
                 "it is spooled and will be written when MLflow is reachable",
@@ -615,7 +637,8 @@ class NoOpTracker(Tracker):
     def flush(self, timeout_s: float | None = None) -> None:
         return None
 
-    def finish(self, status: str = "FINISHED", timeout_s: float | None = None) -> LandedReport:
+    def finish(self, status: str = "FINISHED", timeout_s: float | None = None,
+               wait: bool = True) -> LandedReport:
         return LandedReport(True, Pending())
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -733,9 +756,13 @@ def get_tracker(
         raise ConfigError(f"run_id={key!r}: must be a string")
     connect(settings)
     process = detect_process()
-    cache_key = f"{key or process.train_run_name or process.trial_id or ''}|{parent_run_id or ''}"
+    cache_key = f"{key or process.train_run_name or ''}|{parent_run_id or ''}"
+    trial_scope = f"trial:{process.trial_id}" if process.trial_id else None
     with _active_lock:
         existing = _active.get(cache_key)
+        if existing is None and key is None and trial_scope:
+            # In a Tune trial, get_tracker() with no arguments is the trial's own run.
+            existing = _active.get(trial_scope)
     if existing is not None:
         return existing
     client_id = uuid.uuid4().hex
@@ -765,6 +792,8 @@ def get_tracker(
         tracker.set_tags(tags)
     with _active_lock:
         _active[cache_key] = tracker
+        if trial_scope:
+            _active.setdefault(trial_scope, tracker)
     _install_exit_hook()
     return tracker
 

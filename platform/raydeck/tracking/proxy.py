@@ -69,6 +69,13 @@ class Router:
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
         self.core = RouterCore(config)
+        # Create MLflow's tables before the shards start, so three processes never race to
+        # initialize a fresh database (SQLite locks for each of them in turn). Best effort: an
+        # unreachable MLflow is reported by the first attach, not by a crashing constructor.
+        try:
+            self.core.client.search_experiments(max_results=1)
+        except Exception as exc:
+            logger.warning("MLflow not reachable yet: %s", exc)
         shard_actor = ray.remote(Shard)
         self.shards = [
             shard_actor.options(name=shard_name(i), namespace=config.namespace,
@@ -90,6 +97,12 @@ class Router:
 
     def detach(self, client_id: str, status: str) -> None:
         self.core.detach(client_id, status)
+
+    def end_run(self, key: str, status: str, tags: dict[str, str]) -> bool:
+        return self.core.end_run(key, status, tags)
+
+    def max_step(self, run_id: str, key: str) -> int:
+        return self.core.max_step(run_id, key)
 
     def get_config(self) -> ProxyConfig:
         return self.config

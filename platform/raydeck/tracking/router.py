@@ -30,7 +30,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlflow.entities import RunStatus
+from mlflow.entities import RunStatus, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
@@ -124,6 +124,7 @@ class RouterCore:
                 "RAYDECK_RAY_NAMESPACE to run a second proxy"
             )
         with self._lock:
+            self._drop_gone(time.monotonic())
             try:
                 key = self._resolve_key(request)
                 run, created = self._find_or_create(key, request)
@@ -346,6 +347,25 @@ class RouterCore:
             self._drop(run, client_id, status=status)
             self._maybe_end(run)
 
+    def end_run(self, key: str, status: str, tags: dict[str, str]) -> bool:
+        """End a run for a supervisor that knows better than its processes (Tune's scheduler).
+
+        Sets ``tags``, releases every participant and ends the run with ``status``. Returns
+        False if the router does not know the run.
+        """
+        RunStatus.from_string(status)
+        with self._lock:
+            run = self._runs.get(key)
+            if run is None:
+                return False
+            self.client.log_batch(run.run_id, tags=[RunTag(k, v) for k, v in tags.items()],
+                                  synchronous=True)
+            for client_id in list(run.participants):
+                self._drop(run, client_id, status=status)
+            run.primary_status = status
+            self._maybe_end(run)
+            return True
+
     def _drop(self, run: _Run, client_id: str, status: str = "KILLED",
               replaced: bool = False) -> None:
         participant = run.participants.pop(client_id)
@@ -373,17 +393,30 @@ class RouterCore:
             logger.warning("could not end run %s yet (%s); will retry", run_id, exc)
             return False
 
+    def _drop_gone(self, now: float) -> None:
+        """Drop participants whose Ray job ended or that went silent. Caller holds the lock.
+
+        A dead job is known to Ray's control store within a second of its driver exiting, so
+        a killed driver's run ends right away; silence (``lost_after_s``) catches the rest: a
+        worker SIGKILLed inside a living job, a partitioned node.
+        """
+        dead_jobs = _dead_job_ids()
+        for run in list(self._runs.values()):
+            for client_id, participant in list(run.participants.items()):
+                job_gone = participant.process.job_id in dead_jobs
+                silent = now - participant.last_seen > self.config.lost_after_s
+                if job_gone or silent:
+                    logger.warning("run %s: %s (%s) %s; presumed dead", run.run_id,
+                                   participant.process.role_key, client_id,
+                                   "ended with its Ray job" if job_gone else "went silent")
+                    self._drop(run, client_id, status="KILLED")
+            self._maybe_end(run)
+
     def reap(self) -> bool:
-        """Drop silent participants, end finished runs; True when the proxy should stop."""
+        """Drop gone participants, end finished runs; True when the proxy should stop."""
         now = time.monotonic()
         with self._lock:
-            for run in list(self._runs.values()):
-                for client_id, participant in list(run.participants.items()):
-                    if now - participant.last_seen > self.config.lost_after_s:
-                        logger.warning("run %s: %s (%s) went silent; presumed dead", run.run_id,
-                                       participant.process.role_key, client_id)
-                        self._drop(run, client_id, status="KILLED")
-                self._maybe_end(run)
+            self._drop_gone(now)
             active = sum(1 for run in self._runs.values() if not run.terminated)
             self.metrics.set_active_runs(active)
             if active:
@@ -406,10 +439,25 @@ class RouterCore:
                 for run in self._runs.values()
             ]
 
+    def max_step(self, run_id: str, key: str) -> int:
+        """The highest step MLflow holds for metric ``key`` of a run (-1 if none)."""
+        history = self.client.get_metric_history(run_id, key)
+        return max((m.step for m in history), default=-1)
+
     def run_id_for(self, key: str) -> str | None:
         with self._lock:
             run = self._runs.get(self._aliases.get(key, key))
             return run.run_id if run else None
+
+
+def _dead_job_ids() -> set[str]:
+    """Ray jobs that have ended, from Ray's control store; empty if it cannot be asked."""
+    try:
+        import ray._private.state as ray_state
+
+        return {job["JobID"] for job in ray_state.jobs() if job.get("IsDead")}
+    except Exception:
+        return set()
 
 
 def _redact(uri: str) -> str:

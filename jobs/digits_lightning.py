@@ -1,0 +1,21 @@
+"""Train the digits classifier with PyTorch Lightning on Ray Train, tracked in MLflow.
+
+Locally:          python jobs/digits_lightning.py --epochs 5
+On a cluster:     ray job submit --runtime-env runtime_envs/cpu.yaml --working-dir . -- \
+                      python jobs/digits_lightning.py --preset cpu-2 --run-name nightly
+             or:  raydeck submit jobs/digits_lightning.py --runtime-env runtime_envs/cpu.yaml
+
+The training loop is ``raydeck.examples.digits_lightning.train_loop_per_worker``: Ray Train's
+Lightning utilities (RayDDPStrategy, RayLightningEnvironment, prepare_trainer) with raydeck's
+``RaydeckLogger``, ``RaydeckReportCallback`` and ``resume``, so a worker that dies costs at
+most one epoch and every step appears once in MLflow. To resume a run whose driver died, run
+the job again with ``--run-id`` set to that run's id.
+"""
+
+from __future__ import annotations
+
+from raydeck.examples.digits import run_job
+from raydeck.examples.digits_lightning import train_loop_per_worker
+
+if __name__ == "__main__":
+    run_job(train_loop_per_worker, description=__doc__.splitlines()[0], run_name="digits-lightning")

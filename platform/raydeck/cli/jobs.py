@@ -1,0 +1,144 @@
+"""``raydeck submit`` and ``raydeck jobs``: jobs on a Ray cluster via its job server."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import sys
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from raydeck.cli._console import console, err_console, setup_logging
+
+DEFAULT_RUNTIME_ENV = "runtime_envs/local.yaml"
+EXIT_JOB_FAILED = 1
+
+
+def submit(
+    ctx: typer.Context,
+    job_file: str = typer.Argument(..., help="Job file, relative to the working dir "
+                                             "(e.g. jobs/digits_torch.py)."),
+    preset: str = typer.Option("cpu-2", help="Scaling preset (`raydeck presets`)."),
+    runtime_env: str = typer.Option(DEFAULT_RUNTIME_ENV, "--runtime-env",
+                                    help="Runtime env YAML (runtime_envs/*.yaml)."),
+    address: str = typer.Option(None, help="Job server URL (default RAY_API_SERVER_ADDRESS, "
+                                           "RAY_ADDRESS if http(s), else http://127.0.0.1:8265)."),
+    run_name: str = typer.Option(None, help="MLflow run name (default: the job file's name)."),
+    run_id: str = typer.Option(None, help="Run id to resume or join (default: a new run)."),
+    wait: bool = typer.Option(True, help="Stream the job's log until it ends."),
+    check: bool = typer.Option(True, help="Run the preflight probe (the cluster's Python can "
+                                          "import raydeck; the preset fits the cluster)."),
+) -> None:
+    """Submit a job file with a preset and a runtime env; stream its log; show its MLflow run.
+
+    Arguments after the job file (or after `--`) are passed to it. The token for a cluster with
+    token authentication comes from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token
+    (RAY_AUTH_MODE=disabled sends none); it is never printed.
+    """
+    from pathlib import Path
+
+    from raydeck.config import RUN_KEY_PATTERN, load_settings
+    from raydeck.errors import ConfigError
+    from raydeck.jobs import (
+        JobRequest,
+        JobServer,
+        check_job_file,
+        find_run,
+        load_runtime_env,
+        new_run_id,
+        probe,
+        stream_logs,
+        submit_job,
+    )
+    from raydeck.scaling import check_feasible, get_preset
+
+    settings = load_settings()
+    _quiet_logs(settings.log_level)
+    chosen = get_preset(preset, settings.presets_file)
+    name = run_name or Path(job_file).stem.replace("_", "-")
+    if run_id is not None and not RUN_KEY_PATTERN.match(run_id):
+        raise ConfigError(f"--run-id={run_id!r}: may hold 1-128 letters, digits, _ . - only")
+    env = load_runtime_env(runtime_env)
+    check_job_file(job_file, env)
+    request = JobRequest(job_file=job_file, preset=chosen.name, run_name=name,
+                         run_id=run_id or new_run_id(name), runtime_env=env,
+                         args=tuple(ctx.args))
+    server = JobServer.from_env(address)
+    client = server.client()
+    if check:
+        with console.status(f"checking the cluster at {server.address}..."):
+            cluster = probe(client, env)
+        feasibility = check_feasible(chosen, node_totals=cluster.node_totals,
+                                     node_available=cluster.node_available)
+        console.print(f"cluster: {len(cluster.node_totals)} node(s), Python {cluster.python}, "
+                      f"raydeck {cluster.raydeck_version}, Ray {cluster.ray_version}",
+                      soft_wrap=True)
+        if not feasibility.runs_now:
+            console.print(f"[yellow]{escape(feasibility.message)}[/]")
+    submission_id = submit_job(client, request)
+    console.print(f"submitted [bold]{submission_id}[/] to {server.address}: "
+                  f"{escape(request.entrypoint)}", soft_wrap=True)
+    console.print(f"  run id: {request.run_id}  (logs: `ray job logs {submission_id}`)",
+                  soft_wrap=True)
+    if not wait:
+        return
+    status = stream_logs(client, submission_id, _echo)
+    run = find_run(settings.tracking.uri, settings.tracking.experiment, request.run_id)
+    colour = "green" if status == "SUCCEEDED" else "red"
+    console.print(f"\n[bold {colour}]{status}[/] {submission_id}")
+    if run.mlflow_run_id:
+        console.print(f"  MLflow run: {run.mlflow_run_id} ({run.status})"
+                      + (f"  {run.url}" if run.url else ""), soft_wrap=True)
+    else:
+        console.print(f"  MLflow run: tag raydeck.run_key = {request.run_id} (not found in "
+                      f"{settings.tracking.uri})", soft_wrap=True)
+    if status != "SUCCEEDED":
+        raise typer.Exit(EXIT_JOB_FAILED)
+
+
+def _quiet_logs(level: str) -> None:
+    """raydeck's own log lines only: Ray narrates every packaging step of a submission."""
+    setup_logging(level)
+    logging.getLogger("ray").setLevel(logging.ERROR)
+
+
+def _echo(chunk: str) -> None:
+    sys.stdout.write(chunk)
+    sys.stdout.flush()
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(int(seconds), 60)
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def jobs(
+    address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
+    limit: int = typer.Option(20, min=1, help="How many recent jobs."),
+) -> None:
+    """List recent jobs of the cluster: status, duration and MLflow run."""
+    from raydeck.config import load_settings
+    from raydeck.jobs import JobServer, find_run, list_jobs
+
+    settings = load_settings()
+    _quiet_logs(settings.log_level)
+    server = JobServer.from_env(address)
+    views = list_jobs(server.client(), limit)
+    table = Table(title=f"jobs on {server.address}")
+    for column in ("submission id", "status", "started", "duration", "entrypoint", "MLflow run"):
+        table.add_column(column, overflow="fold")
+    for view in views:
+        run = (find_run(settings.tracking.uri, settings.tracking.experiment, view.run_id)
+               if view.run_id else None)
+        started = (datetime.datetime.fromtimestamp(view.started_s).strftime("%Y-%m-%d %H:%M:%S")
+                   if view.started_s else "-")
+        link = "-" if run is None else (run.url or run.mlflow_run_id or f"run id {run.run_id}")
+        table.add_row(view.submission_id, view.status, started, _duration(view.duration_s),
+                      view.entrypoint, link)
+    if not views:
+        err_console.print("no jobs yet")
+    console.print(table)

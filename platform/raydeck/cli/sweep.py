@@ -1,0 +1,83 @@
+"""``raydeck sweep``: a Tune sweep with ASHA over a raydeck job, tracked and registered."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.table import Table
+
+from raydeck.cli._console import console, setup_logging
+
+DEFAULT_JOB = "raydeck.examples.digits:digits_sweep_job"
+
+
+def _load_job(spec: str) -> Any:
+    from raydeck.errors import ConfigError
+    from raydeck.tune import SweepJob
+
+    module_name, _, attribute = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"--job {spec!r}: cannot import it ({exc}); use module:function"
+                          ) from None
+    job = factory() if callable(factory) and not isinstance(factory, SweepJob) else factory
+    if not isinstance(job, SweepJob):
+        raise ConfigError(f"--job {spec!r}: must name a SweepJob or a function returning one")
+    return job
+
+
+def sweep(
+    space: Path = typer.Option(Path("jobs/sweep_digits.yaml"), help="YAML search space."),
+    name: str = typer.Option("digits-sweep", help="Sweep name (MLflow parent run, Tune dir)."),
+    job: str = typer.Option(DEFAULT_JOB, help="module:function returning a SweepJob."),
+    metric: str = typer.Option("val_accuracy", help="Metric to optimise."),
+    mode: str = typer.Option("max", help="max or min."),
+    num_samples: int = typer.Option(8, help="Trials to draw."),
+    max_t: int = typer.Option(8, help="Most iterations per trial."),
+    grace_period: int = typer.Option(1, help="Iterations before ASHA may stop a trial."),
+    reduction_factor: float = typer.Option(2.0, help="ASHA keeps 1/factor per rung."),
+    scheduler: str = typer.Option("asha", help="asha or fifo."),
+    preset: str = typer.Option("cpu-1", help="Scaling preset for each trial's resources."),
+    max_concurrent: int = typer.Option(0, help="Most trials at once (0: as resources allow)."),
+    seed: int = typer.Option(0, help="Search seed."),
+    register_as: str = typer.Option("digits-classifier",
+                                    help="Registry name for the best model ('' to skip)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue a sweep whose driver died."),
+) -> None:
+    """Run a hyperparameter sweep: ASHA early stopping, one MLflow child run per trial."""
+    from raydeck.cluster import connect
+    from raydeck.config import load_settings
+    from raydeck.tune import SearchSpace, SweepConfig
+    from raydeck.tune import sweep as run_sweep
+
+    settings = load_settings()
+    setup_logging(settings.log_level)
+    config = SweepConfig(
+        name=name, metric=metric, mode=mode, num_samples=num_samples, max_t=max_t,
+        grace_period=grace_period, reduction_factor=reduction_factor, scheduler=scheduler,
+        preset=preset, max_concurrent_trials=max_concurrent or None, seed=seed,
+        register_model_as=register_as or None,
+    )
+    search_space = SearchSpace.from_yaml(space)
+    sweep_job = _load_job(job)
+    with console.status(f"sweep {name}: {num_samples} trials, {scheduler}..."):
+        connect(settings, log_to_driver=False)
+        result = run_sweep(sweep_job, search_space, config, settings=settings, resume=resume)
+    table = Table(title=f"sweep {name} ({result.wall_time_s:.0f} s, "
+                        f"{result.trial_iterations} trial-iterations)")
+    for column in ("trial", "status", "stopped at", f"best {metric}", "MLflow run"):
+        table.add_column(column)
+    for trial in sorted(result.trials, key=lambda t: t.trial_id):
+        score = "-" if trial.best_score is None else f"{trial.best_score:.4f}"
+        table.add_row(trial.trial_id, trial.status, str(trial.stop_iteration), score,
+                      trial.run_id)
+    console.print(table)
+    console.print(f"best trial {result.best_trial_id}: {metric} {result.best_score:.4f} "
+                  f"with {result.best_config}", soft_wrap=True)
+    console.print(f"sweep run: {result.parent_run_id}")
+    if result.registered_model_uri:
+        console.print(f"registered model: {result.registered_model_uri}", soft_wrap=True)

@@ -1,0 +1,289 @@
+"""PyTorch Lightning on raydeck: a ``Logger`` that writes through the tracker, and Ray Train
+checkpoints that make a Lightning run survive a worker death like a plain PyTorch one.
+
+Owns: :class:`RaydeckLogger` (Lightning's ``Logger`` interface, delegating to a
+:class:`~raydeck.tracking.Tracker`: hyperparameters, metrics, checkpoints),
+:class:`RaydeckReportCallback` (the counterpart of Ray's ``RayTrainReportCallback``, reporting
+raydeck checkpoints), and :func:`resume` (the Lightning checkpoint to pass to
+``trainer.fit(ckpt_path=...)``). Does not own the distributed setup: that is Ray Train's
+``RayDDPStrategy``, ``RayLightningEnvironment`` and ``prepare_trainer``.
+
+Each step lands exactly once, as epochs do for plain PyTorch (:mod:`raydeck.checkpointing`):
+inside Ray Train the logger *holds* what Lightning logs for steps after the last committed
+checkpoint, and the callback logs it once Ray Train has committed the epoch's checkpoint (which
+also stores it). When a worker dies, the held values of the unfinished epoch die with it and are
+logged when that epoch is trained again; :func:`resume` logs the restored epoch's stored values
+again, which MLflow keeps once. Without the callback (no Ray Train), the logger writes at once.
+
+Ranks: the logger does not use Lightning's ``rank_zero_only``; every rank calls the tracker, and
+the run's tracking mode decides who writes (``rank_zero``: rank 0; ``all_ranks``: every rank
+under its own keys; ``per_rank``: child runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import tempfile
+import time
+from argparse import Namespace
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from lightning_fabric.utilities.logger import (
+    _add_prefix,
+    _convert_params,
+    _flatten_dict,
+    _sanitize_callable_params,
+)
+from pytorch_lightning.loggers.logger import Logger
+from typing_extensions import override
+
+from raydeck.checkpointing import MetricPoint, mark_resumed, report_checkpoint, stored_points
+from raydeck.tracking import Tracker
+
+logger = logging.getLogger(__name__)
+
+LIGHTNING_CHECKPOINT_FILE = "lightning.ckpt"
+STATE_FILE = "raydeck_lightning.json"
+CHECKPOINT_ARTIFACT_PATH = "checkpoints"
+LIGHTNING_TAG_PREFIX = "raydeck.lightning."
+
+
+def _number(value: Any) -> Any:
+    """A plain number from a tensor (Lightning logs tensors); anything else unchanged."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    return value
+
+
+def _logged_step(trainer: pl.Trainer) -> int:
+    """The step Lightning logs the next training batch at (its loggers' step counter)."""
+    loop = trainer.fit_loop.epoch_loop
+    return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
+
+
+class RaydeckLogger(Logger):
+    """Lightning's ``Logger`` on top of raydeck's tracker.
+
+    Args:
+        tracker: the tracker to write to; default ``raydeck.get_tracker()`` on first use (in a
+            Ray Train worker: the run of the Train job).
+        prefix: put before every metric key, joined with ``-`` (as Lightning's loggers do).
+        log_checkpoints: also upload the best checkpoint of a ``ModelCheckpoint`` callback as an
+            artifact under ``checkpoints/`` each time it changes. Its path and score are always
+            recorded as tags.
+
+    ``experiment`` is the tracker, so ``self.logger.experiment.log_text(...)`` works in a
+    ``LightningModule``. ``name`` is the MLflow experiment id and ``version`` the run id.
+    """
+
+    LOGGER_JOIN_CHAR = "-"
+
+    def __init__(self, tracker: Tracker | None = None, *, prefix: str = "",
+                 log_checkpoints: bool = False) -> None:
+        super().__init__()
+        self._tracker = tracker
+        self._prefix = prefix
+        self._log_checkpoints = log_checkpoints
+        self._held: list[MetricPoint] | None = None
+        self._committed_step = 0
+        self._uploaded_checkpoint = ""
+
+    @property
+    def tracker(self) -> Tracker:
+        if self._tracker is None:
+            import raydeck
+
+            self._tracker = raydeck.get_tracker()
+        return self._tracker
+
+    @property
+    def experiment(self) -> Tracker:
+        return self.tracker
+
+    @property
+    @override
+    def name(self) -> str:
+        return self.tracker.experiment_id
+
+    @property
+    @override
+    def version(self) -> str:
+        return self.tracker.run_id
+
+    @override
+    def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any
+                        ) -> None:
+        """Log hyperparameters as MLflow params (nested dicts flattened with ``/``)."""
+        flat = _flatten_dict(_sanitize_callable_params(_convert_params(params)))
+        self.tracker.log_params({key: value for key, value in flat.items() if value is not None})
+
+    @override
+    def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
+        """Log metric values at ``step``, or hold them until their checkpoint is committed.
+
+        Raises:
+            TrackingValidationError: a key or value breaks a tracker rule (the others are kept).
+        """
+        values = {key: _number(value)
+                  for key, value in _add_prefix(dict(metrics), self._prefix,
+                                                self.LOGGER_JOIN_CHAR).items()}
+        if self._held is not None and step is not None and step >= self._committed_step:
+            timestamp_ms = int(time.time() * 1000)
+            self._held.extend((key, value, timestamp_ms, int(step))
+                              for key, value in values.items())
+            return
+        self.tracker.log_metrics(values, step=step)
+
+    @override
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        """Record a ``ModelCheckpoint``'s best checkpoint (path, score) in the run."""
+        best = str(getattr(checkpoint_callback, "best_model_path", "") or "")
+        if not best:
+            return
+        score = _number(getattr(checkpoint_callback, "best_model_score", None))
+        tags: dict[str, Any] = {f"{LIGHTNING_TAG_PREFIX}best_model_path": best}
+        if isinstance(score, (int, float)):
+            tags[f"{LIGHTNING_TAG_PREFIX}best_model_score"] = score
+        self.tracker.set_tags(tags)
+        if self._log_checkpoints and best != self._uploaded_checkpoint and Path(best).is_file():
+            self.tracker.log_artifact(best, CHECKPOINT_ARTIFACT_PATH)
+            self._uploaded_checkpoint = best
+
+    @override
+    def finalize(self, status: str) -> None:
+        """End of fit: log whatever is still held and hand it to the proxy.
+
+        The run itself stays open: it ends when the tracker is finished (by whoever created it,
+        or at process exit), so a job can still log a model after ``fit``.
+        """
+        self.release()
+        self.tracker.flush()
+
+    # --- holding, driven by RaydeckReportCallback -------------------------------------------
+    def hold(self, committed_step: int) -> None:
+        """From now on, keep values of steps >= ``committed_step`` until :meth:`take_held`."""
+        if self._held is None:
+            self._held = []
+        self._committed_step = committed_step
+
+    def take_held(self) -> list[MetricPoint]:
+        """The held values (they are now the caller's to log), keeping the hold on."""
+        held, self._held = self._held or [], ([] if self._held is not None else None)
+        return held
+
+    def committed(self, step: int) -> None:
+        """Values for steps below ``step`` belong to a committed checkpoint: log them at once."""
+        self._committed_step = step
+
+    def release(self) -> None:
+        """Log every held value and stop holding."""
+        held, self._held = self._held or [], None
+        if held:
+            from raydeck.checkpointing import log_points
+
+            log_points(self.tracker, held)
+
+
+class RaydeckReportCallback(pl.Callback):
+    """Reports a raydeck checkpoint to Ray Train at the end of every training epoch.
+
+    The counterpart of ``ray.train.lightning.RayTrainReportCallback``: the checkpoint holds
+    Lightning's full checkpoint (``lightning.ckpt``: weights, optimizers, schedulers, loop
+    state) plus what :mod:`raydeck.checkpointing` needs, so the run's metric history stays
+    exactly once across worker failures. Ray Train's ``Result.metrics`` get Lightning's
+    ``callback_metrics`` plus ``epoch`` and ``step``. Use it with :class:`RaydeckLogger` (whose
+    values it logs at each commit) and :func:`resume`.
+
+    Args:
+        tracker: default ``raydeck.get_tracker()`` (the Train job's run).
+    """
+
+    def __init__(self, tracker: Tracker | None = None) -> None:
+        super().__init__()
+        self._tracker = tracker
+
+    @property
+    def tracker(self) -> Tracker:
+        if self._tracker is None:
+            import raydeck
+
+            self._tracker = raydeck.get_tracker()
+        return self._tracker
+
+    @staticmethod
+    def _loggers(trainer: pl.Trainer) -> list[RaydeckLogger]:
+        return [item for item in trainer.loggers if isinstance(item, RaydeckLogger)]
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After a resume the loop counters are restored by now, so the hold starts where the
+        # restored checkpoint ends.
+        for item in self._loggers(trainer):
+            item.hold(_logged_step(trainer))
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        loggers = self._loggers(trainer)
+        epoch = int(trainer.current_epoch)
+        with tempfile.TemporaryDirectory(prefix="raydeck-lightning-") as tmp:
+            started = time.perf_counter()
+            directory = Path(tmp)
+            # Every rank calls it (the strategy may gather); only global rank 0 writes.
+            trainer.save_checkpoint(directory / LIGHTNING_CHECKPOINT_FILE, weights_only=False)
+            if trainer.global_rank == 0:
+                (directory / STATE_FILE).write_text(json.dumps({
+                    "epoch": epoch, "global_step": int(trainer.global_step),
+                    "run_id": self.tracker.parent_run_id,
+                }))
+            metrics = {key: _number(value) for key, value in trainer.callback_metrics.items()}
+            metrics = {key: value for key, value in metrics.items()
+                       if isinstance(value, (int, float))}
+            metrics.update(epoch=epoch, step=int(trainer.global_step))
+            points = [point for item in loggers for point in item.take_held()] if loggers \
+                else None
+            report_checkpoint(self.tracker, directory, metrics, epoch=epoch, points=points,
+                              save_started=started)
+            for item in loggers:
+                item.committed(_logged_step(trainer))
+            # No rank deletes its directory while another still uploads the checkpoint.
+            trainer.strategy.barrier()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for item in self._loggers(trainer):
+            item.release()
+
+
+@contextlib.contextmanager
+def resume(tracker: Tracker | None = None) -> Iterator[str | None]:
+    """The Lightning checkpoint to resume from, for ``trainer.fit(..., ckpt_path=...)``.
+
+    Call on every rank inside the Ray Train function, around ``trainer.fit``. Yields None when
+    the run starts fresh; after a failure (or when resuming a run whose driver died), yields the
+    path of ``lightning.ckpt`` in the latest committed checkpoint, which stays readable until
+    the block ends (from S3 it is downloaded first). Logs the restored epoch's stored values
+    again and tags the run with ``raydeck.checkpoint.resumed_from_epoch``.
+    """
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        yield None
+        return
+    if tracker is None:
+        import raydeck
+
+        tracker = raydeck.get_tracker()
+    with checkpoint.as_directory() as directory:
+        state = json.loads((Path(directory) / STATE_FILE).read_text())
+        if tracker.active and state["run_id"] and state["run_id"] != tracker.parent_run_id:
+            logger.warning("checkpoint was written by run %s, resuming in run %s",
+                           state["run_id"], tracker.parent_run_id)
+        mark_resumed(tracker, int(state["epoch"]), stored_points(directory))
+        yield str(Path(directory) / LIGHTNING_CHECKPOINT_FILE)

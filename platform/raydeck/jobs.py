@@ -1,0 +1,493 @@
+"""Submitting training jobs to a Ray cluster through its job server (as `ray job submit` does).
+
+Owns: reaching the job server with its authentication token, reading the runtime env files of
+``runtime_envs/`` (filling in ``${NAME}`` values from the submitting environment, never secrets),
+the preflight probe that checks the cluster's Python can import raydeck and reads its resources,
+submission with a run id known before the job starts, log streaming, and the job list. Does not
+own what a job does (``jobs/*.py``) or the cluster itself.
+
+Three facts of Ray 2.60 shape this module:
+
+- Token authentication is on by default for clusters started with ``ray start --head`` (when
+  ``RAY_AUTH_MODE=token`` or a token exists), and the job server then answers 401 without one.
+  The token is sent explicitly as an ``Authorization`` header built here (:class:`JobServer`),
+  so nothing depends on which Ray process state came before; it is never printed.
+- A job's entrypoint ``python`` is the first ``python`` on the PATH of the process that ran
+  ``ray start``. :func:`probe` runs a tiny job first and says exactly which Python could not
+  import raydeck and how to fix it, instead of a ``No module named 'ray'`` deep in a job log.
+- Ray fills in ``${NAME}`` in a runtime env's ``env_vars`` on each node from the environment
+  ``ray start`` ran with. :func:`load_runtime_env` fills them from the *submitting* environment
+  instead, except secrets, which stay ``${NAME}`` for the cluster to fill: they never travel
+  with the job, where the Ray dashboard would show them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import shlex
+import sys
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from raydeck.config import Secret
+from raydeck.errors import ClusterUnavailableError, ConfigError, JobSubmissionError
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobSubmissionClient
+
+    from raydeck.scaling import NodeResources
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_JOB_SERVER = "http://127.0.0.1:8265"
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
+AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+DEFAULT_TOKEN_PATH = Path(".ray/auth_token")  # in the home directory
+# Values of these variables are credentials: a runtime env file may only reference them.
+SECRET_ENV_VARS = frozenset({
+    "RAYDECK_S3_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+    AUTH_TOKEN_ENV,
+})
+PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+RUN_ID_ENV = "RAYDECK_RUN_ID"
+METADATA_RUN_ID = "raydeck_run_id"
+METADATA_PRESET = "raydeck_preset"
+METADATA_KIND = "raydeck_kind"
+PROBE_TIMEOUT_S = 300.0
+PROBE_MARKER = "RAYDECK_PROBE="
+PROBE_PYTHON_MARKER = "RAYDECK_PROBE_PYTHON="
+STATUS_POLL_INTERVAL_S = 1.0
+# A head that just started answers "No available agent to submit job" until its dashboard agent
+# registers (seconds); submissions retry that long.
+AGENT_WAIT_S = 120.0
+TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
+
+_AUTH_HINT = (
+    "the job server requires a token: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH (or "
+    "RAY_AUTH_TOKEN) to the cluster's token, which `ray start --head` keeps in "
+    "~/.ray/auth_token on the head's machine"
+)
+
+
+# --- the job server -------------------------------------------------------------------------
+def job_server_address(address: str | None = None, env: Mapping[str, str] | None = None) -> str:
+    """The job server's URL: ``address``, else ``RAY_API_SERVER_ADDRESS``, else ``RAY_ADDRESS``
+    when it is an ``http(s)://`` URL (as ``ray job submit`` reads them), else the local default.
+    """
+    env = os.environ if env is None else env
+    for candidate in (address, env.get("RAY_API_SERVER_ADDRESS"), env.get("RAY_ADDRESS")):
+        if candidate and (candidate is address or candidate.startswith(("http://", "https://"))):
+            return candidate.rstrip("/")
+    return DEFAULT_JOB_SERVER
+
+
+def auth_token(env: Mapping[str, str] | None = None) -> Secret | None:
+    """The token to send, following Ray's own rules, read from ``env`` (default ``os.environ``).
+
+    ``RAY_AUTH_MODE=disabled``: none. Otherwise ``RAY_AUTH_TOKEN``, else the file named by
+    ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token`` if it exists.
+
+    Raises:
+        ConfigError: ``RAY_AUTH_MODE=token`` but no token was found, or the token file named by
+            ``RAY_AUTH_TOKEN_PATH`` cannot be read.
+    """
+    env = os.environ if env is None else env
+    mode = env.get(AUTH_MODE_ENV, "").strip().lower()
+    if mode == "disabled":
+        return None
+    if env.get(AUTH_TOKEN_ENV, "").strip():
+        return Secret(env[AUTH_TOKEN_ENV].strip())
+    if env.get(AUTH_TOKEN_PATH_ENV):
+        path = Path(env[AUTH_TOKEN_PATH_ENV]).expanduser()
+        try:
+            return Secret(path.read_text().strip())
+        except OSError as exc:
+            raise ConfigError(
+                f"{AUTH_TOKEN_PATH_ENV}={str(path)!r}: cannot read the token ({exc.strerror})"
+            ) from None
+    default = Path(env.get("HOME") or Path.home()) / DEFAULT_TOKEN_PATH
+    if default.is_file():
+        return Secret(default.read_text().strip())
+    if mode == "token":
+        raise ConfigError(
+            f"{AUTH_MODE_ENV}=token but no token found: set {AUTH_TOKEN_ENV} or "
+            f"{AUTH_TOKEN_PATH_ENV} (the head keeps it in ~/.ray/auth_token)"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class JobServer:
+    """A Ray job server and the token to reach it. Build with :meth:`from_env`."""
+
+    address: str
+    token: Secret | None = None
+
+    @classmethod
+    def from_env(cls, address: str | None = None, env: Mapping[str, str] | None = None
+                 ) -> JobServer:
+        return cls(job_server_address(address, env), auth_token(env))
+
+    def client(self) -> JobSubmissionClient:
+        """A connected ``JobSubmissionClient`` that has shown the token is accepted.
+
+        Raises:
+            ClusterUnavailableError: nothing answers at the address, or it refuses the token.
+        """
+        from ray.exceptions import AuthenticationError
+        from ray.job_submission import JobSubmissionClient
+
+        from raydeck.cluster import unreachable_reason
+
+        reason = unreachable_reason(self.address)
+        if reason:
+            raise ClusterUnavailableError(
+                f"cannot reach the Ray job server at {self.address} ({reason}); start the "
+                "cluster (`ray start --head` serves it on port 8265) or pass --address / set "
+                "RAY_ADDRESS to its http:// URL"
+            )
+        headers = {"Authorization": f"Bearer {self.token.reveal()}"} if self.token else {}
+        try:
+            client = JobSubmissionClient(self.address, headers=headers)
+            client.list_jobs()
+        except AuthenticationError:
+            raise ClusterUnavailableError(
+                f"the Ray job server at {self.address} refused the request: "
+                + ("it rejected the token that was sent; check RAY_AUTH_TOKEN / "
+                   "RAY_AUTH_TOKEN_PATH" if self.token else _AUTH_HINT)
+            ) from None
+        except (ConnectionError, RuntimeError) as exc:
+            raise ClusterUnavailableError(
+                f"the Ray job server at {self.address} did not answer as one "
+                f"({str(exc).splitlines()[0][:200]}); is it the dashboard port (8265)?"
+            ) from None
+        return client
+
+
+# --- runtime envs ---------------------------------------------------------------------------
+def _references_secret(value: str) -> bool:
+    return any(name in SECRET_ENV_VARS for name in PLACEHOLDER.findall(value))
+
+
+def check_runtime_env(runtime_env: Mapping[str, Any], source: str) -> None:
+    """Reject a runtime env that writes a secret's value instead of referencing it.
+
+    Raises:
+        ConfigError: a secret variable holds a literal value; the message names it, not it.
+    """
+    for name, value in dict(runtime_env.get("env_vars") or {}).items():
+        if name in SECRET_ENV_VARS and PLACEHOLDER.fullmatch(str(value)) is None:
+            raise ConfigError(
+                f"{source}: env_vars.{name} holds a value; a secret may only be referenced as "
+                f"${{{name}}} so it stays out of files and job metadata"
+            )
+
+
+def load_runtime_env(path: str | Path, env: Mapping[str, str] | None = None,
+                     working_dir: str | Path | None = None) -> dict[str, Any]:
+    """A runtime env file, ready to submit from this machine.
+
+    ``${NAME}`` in ``env_vars`` values is filled in from ``env`` (default ``os.environ``); a
+    value that is empty once filled is left out, so the cluster's own environment (or raydeck's
+    default) applies. Values referencing a secret (``RAYDECK_S3_SECRET_ACCESS_KEY``, ...) are
+    kept as written: Ray fills them in on each node, so the secret never leaves the cluster.
+    ``working_dir`` and ``py_modules`` paths are made absolute (relative to ``working_dir``,
+    default the current directory), as ``ray job submit`` resolves them.
+
+    Raises:
+        ConfigError: the file is missing, is not a YAML mapping, or writes a secret's value.
+    """
+    import yaml
+
+    path = Path(path)
+    env = os.environ if env is None else env
+    try:
+        document = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"runtime env {str(path)!r}: cannot be read ({exc.strerror})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"runtime env {path}: not valid YAML ({exc})") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"runtime env {path}: expected a mapping (working_dir, env_vars, ...)")
+    check_runtime_env(document, str(path))
+    base = Path(working_dir or ".").resolve()
+    runtime_env = dict(document)
+    if "working_dir" in runtime_env and "://" not in str(runtime_env["working_dir"]):
+        runtime_env["working_dir"] = str((base / str(runtime_env["working_dir"])).resolve())
+    if runtime_env.get("py_modules"):
+        runtime_env["py_modules"] = [
+            module if "://" in str(module) else str((base / str(module)).resolve())
+            for module in runtime_env["py_modules"]
+        ]
+    env_vars: dict[str, str] = {}
+    for name, raw in dict(runtime_env.get("env_vars") or {}).items():
+        value = str(raw)
+        if _references_secret(value):
+            env_vars[str(name)] = value
+            continue
+        filled = PLACEHOLDER.sub(lambda match: env.get(match.group(1), ""), value)
+        if filled:
+            env_vars[str(name)] = filled
+    runtime_env["env_vars"] = env_vars
+    return runtime_env
+
+
+# --- the preflight probe --------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClusterProbe:
+    """What the preflight job saw on the cluster."""
+
+    python: str
+    raydeck_version: str
+    ray_version: str
+    node_totals: list[NodeResources] = field(default_factory=list)
+    node_available: list[NodeResources] = field(default_factory=list)
+
+
+PROBE_ENTRYPOINT = "python -c " + shlex.quote(
+    "import sys; print('" + PROBE_PYTHON_MARKER + "' + sys.executable, flush=True); "
+    "from raydeck.jobs import probe_main; probe_main()"
+)
+
+
+def probe_main() -> None:
+    """The probe job's body (runs on the cluster): versions and per-node resources as JSON."""
+    import ray
+
+    import raydeck
+    from raydeck.scaling import cluster_resources
+
+    ray.init(logging_level=logging.WARNING)
+    totals, available = cluster_resources()
+    print(PROBE_MARKER + json.dumps({
+        "python": sys.executable, "raydeck_version": raydeck.__version__,
+        "ray_version": ray.__version__, "node_totals": totals, "node_available": available,
+    }), flush=True)
+
+
+def _probe_failure(logs: str, address: str) -> str:
+    python_line = re.search(rf"^{re.escape(PROBE_PYTHON_MARKER)}(\S+)$", logs, re.MULTILINE)
+    python = python_line.group(1) if python_line else ""
+    missing = re.search(r"No module named '?([\w.]+)'?", logs)
+    fix = (
+        "start the head (and every worker node) with raydeck's environment first on PATH, e.g. "
+        "`PATH=/path/to/venv/bin:$PATH ray start --head`, or install raydeck and its "
+        "dependencies into the Python `ray start` runs with (py_modules in the runtime env ships "
+        "raydeck's code, not its dependencies)"
+    )
+    if python and missing:
+        return (f"the cluster runs jobs with {python}, which cannot import {missing.group(1)!r} "
+                f"(needed by raydeck); {fix}")
+    if not python:
+        tail = " | ".join(line for line in logs.strip().splitlines()[-3:] if line.strip())
+        return (f"the cluster could not start a Python job (`python` is whatever comes first "
+                f"on the PATH of `ray start` on {address}): {tail[:300] or 'no output'}; {fix}")
+    tail = " | ".join(logs.strip().splitlines()[-3:])
+    return f"the probe job failed on the cluster with {python}: {tail[:400]}"
+
+
+def probe(client: JobSubmissionClient, runtime_env: dict[str, Any], *,
+          timeout_s: float = PROBE_TIMEOUT_S) -> ClusterProbe:
+    """Run a tiny job with ``runtime_env``: can the cluster's Python import raydeck?
+
+    Raises:
+        JobSubmissionError: it cannot (the message names the Python and the fix), or the probe
+            did not finish within ``timeout_s``.
+    """
+    submission_id = f"raydeck-probe-{uuid.uuid4().hex[:8]}"
+    _submit(client, entrypoint=PROBE_ENTRYPOINT, submission_id=submission_id,
+            runtime_env=runtime_env, metadata={METADATA_KIND: "probe"})
+    status = wait_for(client, submission_id, timeout_s)
+    logs = client.get_job_logs(submission_id)
+    found = [line for line in logs.splitlines() if line.startswith(PROBE_MARKER)]
+    if status != "SUCCEEDED" or not found:
+        if status not in TERMINAL_STATUSES:
+            client.stop_job(submission_id)
+            raise JobSubmissionError(
+                f"the preflight job {submission_id} did not finish within {timeout_s:.0f} s "
+                f"(status {status}); is the cluster busy? `ray job logs {submission_id}`"
+            )
+        raise JobSubmissionError(_probe_failure(logs, client.get_address()))
+    answer = json.loads(found[-1][len(PROBE_MARKER):])
+    return ClusterProbe(
+        python=answer["python"], raydeck_version=answer["raydeck_version"],
+        ray_version=answer["ray_version"], node_totals=answer["node_totals"],
+        node_available=answer["node_available"],
+    )
+
+
+# --- submission -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class JobRequest:
+    """A job file to run on the cluster, and how.
+
+    ``job_file`` is relative to the working dir and takes ``--preset`` and ``--run-name`` (see
+    ``raydeck.examples.digits.job_arguments``); ``args`` are passed after them. ``run_id`` is
+    the MLflow run the job writes to (``RAYDECK_RUN_ID``): a new id for a new run, or the id of a
+    run to resume.
+    """
+
+    job_file: str
+    preset: str
+    run_name: str
+    run_id: str
+    runtime_env: dict[str, Any]
+    args: tuple[str, ...] = ()
+
+    @property
+    def entrypoint(self) -> str:
+        return shlex.join(["python", self.job_file, "--preset", self.preset,
+                           "--run-name", self.run_name, *self.args])
+
+    @property
+    def submission_id(self) -> str:
+        return f"raydeck-{self.run_id}"
+
+
+def new_run_id(run_name: str) -> str:
+    """A fresh run id for ``run_name``: readable, unique, and legal as ``RAYDECK_RUN_ID``."""
+    stem = re.sub(r"[^\w.\-]+", "-", run_name).strip("-")[:40] or "run"
+    return f"{stem}-{uuid.uuid4().hex[:8]}"
+
+
+def check_job_file(job_file: str, runtime_env: Mapping[str, Any]) -> None:
+    """The job file must be inside the working dir that travels with the job.
+
+    Raises:
+        ConfigError: no working dir, or the file is not in it.
+    """
+    working_dir = runtime_env.get("working_dir")
+    if not working_dir:
+        raise ConfigError("the runtime env has no working_dir, so the job file would not reach "
+                          "the cluster; add `working_dir: .` (runtime_envs/*.yaml have it)")
+    if "://" in str(working_dir):
+        return
+    if Path(job_file).is_absolute() or not (Path(working_dir) / job_file).is_file():
+        raise ConfigError(f"job file {job_file!r} is not a file inside the working dir "
+                          f"{working_dir}; pass it relative to that directory")
+
+
+def submit_job(client: JobSubmissionClient, request: JobRequest) -> str:
+    """Submit the job; returns its submission id (``raydeck-<run id>``)."""
+    runtime_env = dict(request.runtime_env)
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), RUN_ID_ENV: request.run_id}
+    return _submit(
+        client, entrypoint=request.entrypoint, submission_id=request.submission_id,
+        runtime_env=runtime_env,
+        metadata={METADATA_KIND: "job", METADATA_RUN_ID: request.run_id,
+                  METADATA_PRESET: request.preset},
+    )
+
+
+def _submit(client: JobSubmissionClient, **job: Any) -> str:
+    """``client.submit_job``, waiting out a head whose job agent is not up yet."""
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            return str(client.submit_job(**job))
+        except RuntimeError as exc:
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise JobSubmissionError(
+                    f"the job server refused job {job['submission_id']}: "
+                    f"{str(exc).splitlines()[0][:300]}"
+                ) from None
+            time.sleep(STATUS_POLL_INTERVAL_S)
+
+
+def wait_for(client: JobSubmissionClient, submission_id: str, timeout_s: float) -> str:
+    """Poll until the job ends or ``timeout_s`` passes; returns its last status."""
+    deadline = time.monotonic() + timeout_s
+    status = str(client.get_job_status(submission_id).value)
+    while status not in TERMINAL_STATUSES and time.monotonic() < deadline:
+        time.sleep(STATUS_POLL_INTERVAL_S)
+        status = str(client.get_job_status(submission_id).value)
+    return status
+
+
+def stream_logs(client: JobSubmissionClient, submission_id: str,
+                write: Callable[[str], None]) -> str:
+    """Pass the job's log to ``write`` as it grows, until the job ends; returns its status."""
+
+    async def tail() -> None:
+        async for chunk in client.tail_job_logs(submission_id):
+            write(chunk)
+
+    asyncio.run(tail())
+    return wait_for(client, submission_id, timeout_s=60.0)
+
+
+# --- listing --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class JobView:
+    """One job as ``raydeck jobs`` shows it."""
+
+    submission_id: str
+    status: str
+    entrypoint: str
+    started_s: float | None
+    duration_s: float | None
+    run_id: str
+    message: str
+
+
+def list_jobs(client: JobSubmissionClient, limit: int = 20) -> list[JobView]:
+    """The most recent jobs first, without raydeck's preflight probes."""
+    views = []
+    for job in client.list_jobs():
+        metadata = job.metadata or {}
+        if metadata.get(METADATA_KIND) == "probe":
+            continue
+        started = job.start_time / 1000 if job.start_time else None
+        ended = job.end_time / 1000 if job.end_time else None
+        duration = (ended or time.time()) - started if started else None
+        views.append(JobView(
+            submission_id=str(job.submission_id or job.job_id), status=str(job.status.value),
+            entrypoint=job.entrypoint, started_s=started, duration_s=duration,
+            run_id=metadata.get(METADATA_RUN_ID, ""), message=job.message or "",
+        ))
+    views.sort(key=lambda view: view.started_s or 0.0, reverse=True)
+    return views[:limit]
+
+
+@dataclass(frozen=True)
+class RunLink:
+    """Where a job's MLflow run is, as far as this machine's MLflow can tell."""
+
+    run_id: str
+    mlflow_run_id: str = ""
+    url: str = ""
+    status: str = ""
+
+
+def find_run(tracking_uri: str, experiment: str, run_id: str) -> RunLink:
+    """The MLflow run of raydeck run id ``run_id`` (tag ``raydeck.run_key``), if it exists here.
+
+    Returns a link with only ``run_id`` set when MLflow is unreachable or has no such run (the
+    job may write to an MLflow this machine does not see).
+    """
+    from mlflow.tracking import MlflowClient
+
+    try:
+        client = MlflowClient(tracking_uri)
+        exp = client.get_experiment_by_name(experiment)
+        runs = client.search_runs(
+            [exp.experiment_id], filter_string=f"tags.`raydeck.run_key` = '{run_id}'",
+            max_results=1) if exp is not None else []
+    except Exception as exc:
+        logger.debug("MLflow lookup of %s failed: %s", run_id, exc)
+        return RunLink(run_id)
+    if not runs:
+        return RunLink(run_id)
+    info = runs[0].info
+    url = (f"{tracking_uri.rstrip('/')}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
+           if tracking_uri.startswith(("http://", "https://")) else "")
+    return RunLink(run_id, info.run_id, url, info.status)

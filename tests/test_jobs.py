@@ -1,0 +1,294 @@
+"""Jobs on a real cluster: `ray job submit` and `raydeck submit` with the files in runtime_envs/.
+
+The module starts one Ray head with `ray start --head` on free ports, token authentication pinned
+on with a token file of its own, the venv first on its PATH (so a job's `python` imports raydeck)
+and the session's MLflow server in its environment, as an operator would start it. Jobs write to
+that MLflow server, where the tests find their runs. The head is stopped by killing exactly the
+processes it started.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import TEST_ENV
+from tests.fixtures.processes import free_port
+from tests.fixtures.ray_head import RayHead
+
+REPO = Path(__file__).resolve().parents[1]
+RUNTIME_ENVS = sorted((REPO / "runtime_envs").glob("*.yaml"))
+EPOCHS = 3
+JOB_TIMEOUT_S = 600
+
+
+def _clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith(("RAYDECK_", "RAY_", "AWS_", "MLFLOW_"))}
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory: pytest.TempPathFactory, raydeck_env: dict[str, str]
+             ) -> Iterator[RayHead]:
+    root = tmp_path_factory.mktemp("ray-head")
+    venv_bin = str(Path(sys.executable).parent)
+    env = {
+        **_clean_env(),
+        **{k: v for k, v in TEST_ENV.items() if k != "RAY_AUTH_MODE"},
+        "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
+        "RAYDECK_TRACKING_URI": raydeck_env["RAYDECK_TRACKING_URI"],
+        "RAYDECK_DATA_DIR": str(root / "data"),
+    }
+    head = RayHead(root, env).start()
+    yield head
+    head.stop()
+
+
+def _submit_env(head: RayHead, **extra: str) -> dict[str, str]:
+    """A submitting shell: knows the cluster, its token file and the MLflow server."""
+    return {**_clean_env(), **head.client_env,
+            "RAYDECK_TRACKING_URI": head.env["RAYDECK_TRACKING_URI"], "COLUMNS": "250", **extra}
+
+
+def _raydeck(*args: str, env: dict[str, str], cwd: Path = REPO, timeout: float = JOB_TIMEOUT_S
+             ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "raydeck.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def _run_of(client: Any, run_id: str) -> Any:
+    experiment = client.get_experiment_by_name("raydeck")
+    runs = client.search_runs([experiment.experiment_id],
+                              filter_string=f"tags.`raydeck.run_key` = '{run_id}'")
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+def _job_info(head: RayHead, submission_id: str) -> Any:
+    from raydeck.jobs import JobServer
+
+    return JobServer.from_env(env=head.client_env).client().get_job_info(submission_id)
+
+
+def _job_status(head: RayHead, submission_id: str) -> str:
+    return str(_job_info(head, submission_id).status.value)
+
+
+def _job_seconds(head: RayHead, submission_id: str) -> float:
+    info = _job_info(head, submission_id)
+    return float(info.end_time - info.start_time) / 1000
+
+
+def _assert_both_workers_logged(client: Any, run: Any, keys: tuple[str, ...]) -> None:
+    for rank in (0, 1):
+        for key in keys:
+            history = client.get_metric_history(run.info.run_id, f"{key}/rank_{rank}")
+            assert len(history) == EPOCHS, (key, rank)
+    assert run.info.status == "FINISHED"
+
+
+# --- runtime env files ----------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("path", RUNTIME_ENVS, ids=lambda p: p.name)
+def test_runtime_env_files_are_valid_ray_runtime_envs_without_secrets(path: Path) -> None:
+    from ray.runtime_env import RuntimeEnv
+
+    from raydeck.config import load_settings, settings_reference
+    from raydeck.jobs import PLACEHOLDER, SECRET_ENV_VARS, check_runtime_env
+
+    document = yaml.safe_load(path.read_text())
+    RuntimeEnv(**document)
+    check_runtime_env(document, path.name)
+    assert document["working_dir"] == "."
+    assert {".venv", ".git", ".raydeck"} <= set(document["excludes"])
+    env_vars = document["env_vars"]
+    known = {variable for variable, *_ in settings_reference()}
+    for name, value in env_vars.items():
+        if name.startswith("RAYDECK_"):
+            assert name in known, name
+            # Filled in from the environment, never written here.
+            assert PLACEHOLDER.search(str(value)), (name, value)
+        if name in SECRET_ENV_VARS:
+            assert value == f"${{{name}}}"
+    # On a node where a variable is unset, Ray fills in "": raydeck must read it as the default.
+    load_settings(env={name: "" for name in env_vars if name.startswith("RAYDECK_")})
+
+
+@pytest.mark.timeout(60)
+def test_raydeck_fills_runtime_envs_from_the_submitting_environment_but_never_secrets(
+    tmp_path: Path
+) -> None:
+    from raydeck.errors import ConfigError
+    from raydeck.jobs import load_runtime_env
+
+    submitting = {"RAYDECK_TRACKING_URI": "http://mlflow:5000", "RAYDECK_DATA_DIR": "/data",
+                  "RAYDECK_S3_ENDPOINT": "http://minio:9000", "RAYDECK_S3_ACCESS_KEY_ID": "ak",
+                  "RAYDECK_S3_SECRET_ACCESS_KEY": "the-secret"}
+    runtime_env = load_runtime_env(REPO / "runtime_envs/cpu.yaml", env=submitting,
+                                   working_dir=REPO)
+    assert runtime_env["working_dir"] == str(REPO)
+    assert runtime_env["py_modules"] == [str(REPO / "platform/raydeck")]
+    assert runtime_env["env_vars"] == {
+        "RAYDECK_TRACKING_URI": "http://mlflow:5000", "RAYDECK_DATA_DIR": "/data",
+        "RAYDECK_S3_ENDPOINT": "http://minio:9000", "RAYDECK_S3_ACCESS_KEY_ID": "ak",
+        "RAYDECK_S3_SECRET_ACCESS_KEY": "${RAYDECK_S3_SECRET_ACCESS_KEY}",
+    }
+    assert "the-secret" not in str(runtime_env)
+    # Unset variables are left out, so the cluster's own environment applies.
+    assert load_runtime_env(REPO / "runtime_envs/gpu.yaml", env={})["env_vars"] == {
+        "RAYDECK_S3_SECRET_ACCESS_KEY": "${RAYDECK_S3_SECRET_ACCESS_KEY}",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": "WARN",
+    }
+    leaky = tmp_path / "leaky.yaml"
+    leaky.write_text("working_dir: .\nenv_vars:\n  RAYDECK_S3_SECRET_ACCESS_KEY: hunter2\n")
+    with pytest.raises(ConfigError) as raised:
+        load_runtime_env(leaky)
+    assert "env_vars.RAYDECK_S3_SECRET_ACCESS_KEY holds a value" in str(raised.value)
+    assert "hunter2" not in str(raised.value)
+
+
+@pytest.mark.timeout(60)
+def test_the_token_follows_rays_rules(tmp_path: Path) -> None:
+    from raydeck.errors import ConfigError
+    from raydeck.jobs import auth_token
+
+    token_file = tmp_path / "token"
+    token_file.write_text("file-token\n")
+    home = {"HOME": str(tmp_path / "home")}
+    assert auth_token({**home, "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": "x"}) is None
+    assert auth_token({**home, "RAY_AUTH_TOKEN": "env-token",
+                       "RAY_AUTH_TOKEN_PATH": str(token_file)}).reveal() == "env-token"
+    token = auth_token({**home, "RAY_AUTH_MODE": "token",
+                        "RAY_AUTH_TOKEN_PATH": str(token_file)})
+    assert token.reveal() == "file-token" and "file-token" not in repr(token)
+    assert auth_token(home) is None
+    with pytest.raises(ConfigError, match="RAY_AUTH_MODE=token but no token found"):
+        auth_token({**home, "RAY_AUTH_MODE": "token"})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("command", [["submit", "jobs/digits_torch.py"], ["jobs"]])
+def test_an_unreachable_cluster_is_one_line_and_exit_2(command: list[str]) -> None:
+    address = f"http://127.0.0.1:{free_port()}"
+    line = _one_error_line(_raydeck(*command, "--address", address,
+                                    env={**_clean_env(), "RAY_AUTH_MODE": "disabled"},
+                                    timeout=100))
+    assert line.startswith(f"error: cannot reach the Ray job server at {address} (")
+
+
+# --- against a real head --------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_ray_job_submit_runs_the_torch_job_with_the_cpu_runtime_env(
+    ray_head: RayHead, mlflow_client: Any
+) -> None:
+    run_id = f"ray-job-submit-{uuid.uuid4().hex[:8]}"
+    submission_id = f"test-{run_id}"
+    # Exactly the documented command line; the client sends the token because of
+    # RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH.
+    done = subprocess.run(
+        ["ray", "job", "submit", "--runtime-env", "runtime_envs/cpu.yaml", "--working-dir", ".",
+         "--submission-id", submission_id, "--",
+         "python", "jobs/digits_torch.py", "--epochs", str(EPOCHS), "--run-id", run_id,
+         "--mode", "all_ranks"],
+        cwd=REPO, env={**_submit_env(ray_head), "PATH": ray_head.env["PATH"]},
+        capture_output=True, text=True, timeout=JOB_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    assert _job_status(ray_head, submission_id) == "SUCCEEDED", done.stdout[-4000:]
+    print(f"\nray job submit digits_torch ({EPOCHS} epochs, 2 workers on 2 cores): "
+          f"{_job_seconds(ray_head, submission_id):.0f} s")
+    run = _run_of(mlflow_client, run_id)
+    _assert_both_workers_logged(mlflow_client, run, ("train_loss", "val_accuracy"))
+    assert run.data.params["preset"] == "cpu-2"
+    assert run.data.tags["raydeck.checkpoint.latest_epoch"] == str(EPOCHS - 1)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(JOB_TIMEOUT_S + 120)
+def test_raydeck_submit_runs_the_lightning_job_then_lists_it(
+    ray_head: RayHead, mlflow_client: Any
+) -> None:
+    env = _submit_env(ray_head, RAYDECK_DATA_DIR=ray_head.env["RAYDECK_DATA_DIR"])
+    done = _raydeck("submit", "jobs/digits_lightning.py", "--runtime-env",
+                    "runtime_envs/cpu.yaml", "--preset", "cpu-2", "--run-name", "submitted",
+                    "--", "--epochs", str(EPOCHS), "--mode", "all_ranks", env=env)
+    out = done.stdout
+    assert done.returncode == 0, out[-4000:] + done.stderr[-3000:]
+    assert f"Python {sys.executable}" in out
+    assert "Started training worker group of size 2" in out or "Trainer.fit" in out
+    submission_id = out.split("submitted ")[1].split()[0]
+    run_id = submission_id.removeprefix("raydeck-")
+    assert run_id.startswith("submitted-")
+    print(f"\nraydeck submit digits_lightning ({EPOCHS} epochs, 2 workers on 2 cores): "
+          f"{_job_seconds(ray_head, submission_id):.0f} s")
+    run = _run_of(mlflow_client, run_id)
+    _assert_both_workers_logged(mlflow_client, run, ("train_loss_epoch", "val_accuracy"))
+    link = f"{ray_head.env['RAYDECK_TRACKING_URI']}/#/experiments/{run.info.experiment_id}" \
+           f"/runs/{run.info.run_id}"
+    assert f"SUCCEEDED {submission_id}" in out and link in out
+    token = Path(ray_head.token_path).read_text()
+    assert token not in out + done.stderr
+
+    listed = _raydeck("jobs", env=env, timeout=120)
+    assert listed.returncode == 0, listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if submission_id in line)
+    assert "SUCCEEDED" in row and run.info.run_id in listed.stdout
+    assert "raydeck-probe" not in listed.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_cluster_python_without_raydeck_is_named_with_the_fix(
+    ray_head: RayHead, tmp_path: Path
+) -> None:
+    # A head started without the venv on PATH runs jobs with the system Python: simulate it
+    # with a `python` that is the system interpreter, first on the job's PATH.
+    system_bin = tmp_path / "bin"
+    system_bin.mkdir()
+    (system_bin / "python").symlink_to("/usr/bin/python3")
+    runtime_env = tmp_path / "system-python.yaml"
+    runtime_env.write_text(yaml.safe_dump({
+        "working_dir": ".", "excludes": [".git", ".venv", ".raydeck"],
+        "env_vars": {"PATH": f"{system_bin}:/usr/bin:/bin"},
+    }))
+    line = _one_error_line(_raydeck("submit", "jobs/digits_torch.py", "--runtime-env",
+                                    str(runtime_env), env=_submit_env(ray_head), timeout=280))
+    assert line.startswith(f"error: the cluster runs jobs with {system_bin / 'python'}, which "
+                           "cannot import 'raydeck'")
+    assert "PATH=/path/to/venv/bin:$PATH ray start --head" in line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("auth", "expected"),
+    [
+        ({"RAY_AUTH_MODE": "disabled"}, "the job server requires a token: set RAY_AUTH_MODE="
+                                        "token and RAY_AUTH_TOKEN_PATH"),
+        ({"RAY_AUTH_TOKEN": "not-the-token"}, "it rejected the token that was sent"),
+    ],
+)
+def test_a_missing_or_wrong_token_is_one_clear_line(
+    ray_head: RayHead, auth: dict[str, str], expected: str
+) -> None:
+    env = {**_clean_env(), "RAY_ADDRESS": ray_head.address, "HOME": str(ray_head.root), **auth}
+    line = _one_error_line(_raydeck("jobs", env=env, timeout=100))
+    assert line.startswith(f"error: the Ray job server at {ray_head.address} refused")
+    assert expected in line
+    assert "not-the-token" not in line
