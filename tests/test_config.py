@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
 
-from raydeck.config import Secret, load_settings, settings_markdown
+from raydeck.config import Secret, load_settings
 from raydeck.errors import ConfigError
-
-README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_defaults_make_the_embedded_mode_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -72,12 +69,3 @@ def test_secrets_never_show_in_repr_or_runtime_env() -> None:
     assert "s3cr3t-value" not in repr(settings)
     assert "s3cr3t-value" not in str(settings.storage.secret_access_key)
     assert "s3cr3t-value" not in str(settings.to_env())
-
-
-def test_readme_settings_table_matches_the_registry() -> None:
-    text = README.read_text()
-    match = re.search(r"<!-- settings-table -->\n(.*?)\n<!-- /settings-table -->", text, re.S)
-    assert match, "README.md lacks the generated settings table markers"
-    assert match.group(1).strip() == settings_markdown().strip(), (
-        "README settings table is stale: regenerate it with `raydeck config --markdown`"
-    )

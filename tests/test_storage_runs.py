@@ -335,7 +335,8 @@ def test_the_secret_appears_nowhere_after_a_run(
                                "/artifacts/raydeck/runtime_env.json")
     assert runtime_env is not None
     text = runtime_env.decode()
-    assert '"AWS_SECRET_ACCESS_KEY": "<redacted>"' in text and secret not in text
+    # The runtime env carries the storage settings but never a secret.
+    assert '"RAYDECK_S3_ENDPOINT"' in text and "SECRET" not in text and secret not in text
 
     # raydeck's own output and files: the driver's console and log, the proxy's spool and
     # captured worker logs, and the MLflow server's log.
@@ -344,6 +345,15 @@ def test_the_secret_appears_nowhere_after_a_run(
         if path.is_file():
             assert secret.encode() not in path.read_bytes(), path
     assert secret not in (s3_mlflow.root / "server.log").read_text(errors="replace")
+
+    # Ray's own logs on this node: its runtime env agent writes every runtime env it creates,
+    # so the secret must never be part of one.
+    import ray
+
+    session = Path(ray._private.worker._global_node.get_session_dir_path())
+    for path in (session / "logs").rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
 
 
 @pytest.mark.slow

@@ -44,12 +44,12 @@ def job_runtime_env(settings: Settings, extra: dict[str, Any] | None = None) -> 
     """The runtime env that makes every task and actor of a job see the driver's settings.
 
     ``extra`` (a user's runtime env) wins for keys it sets, and its ``env_vars`` are merged over
-    raydeck's. Storage credentials are included only when storage is configured, because Ray
-    Train workers write checkpoints to S3 themselves.
+    raydeck's. Secrets are never part of it: Ray's runtime env agent writes every runtime env
+    it creates, variables included, to its log on every node. Ray Train workers reach S3
+    through the pickled filesystem of :func:`raydeck.storage.checkpoint_storage`, and the
+    tracking proxy gets its credentials from the process that creates it.
     """
-    from raydeck.storage import secret_env
-
-    env_vars = {**settings.to_env(), **secret_env(settings.storage)}
+    env_vars = settings.to_env()
     runtime_env: dict[str, Any] = dict(extra or {})
     runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
     return runtime_env

@@ -157,11 +157,11 @@ class StorageSettings(_Section):
     def __post_init__(self) -> None:
         if self.endpoint and not re.match(r"^https?://[^/\s]+/?$", self.endpoint):
             raise self._reject("endpoint", "must look like http(s)://host:port")
-        if self.endpoint and not (self.access_key_id and self.secret_access_key):
-            raise self._reject(
-                "endpoint",
-                "needs RAYDECK_S3_ACCESS_KEY_ID and RAYDECK_S3_SECRET_ACCESS_KEY as well",
-            )
+        # The secret is not required here: Ray workers get the endpoint and key id through the
+        # job's runtime env but never the secret (Ray logs runtime envs to disk); operations
+        # that need it check for it (raydeck.storage).
+        if self.endpoint and not self.access_key_id:
+            raise self._reject("endpoint", "needs RAYDECK_S3_ACCESS_KEY_ID as well")
         bucket_rule = r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$"
         for name in ("artifacts_bucket", "checkpoints_bucket"):
             if not re.match(bucket_rule, getattr(self, name)):
@@ -366,7 +366,7 @@ def settings_reference() -> list[tuple[str, str, str, str]]:
     """(variable, TOML key, default, doc) for every setting, in declaration order."""
     rows = []
     for section in (Settings, TrackingSettings, StorageSettings):
-        for f in dataclasses.fields(section):  # type: ignore[arg-type]
+        for f in dataclasses.fields(section):
             if f.name in ("tracking", "storage"):
                 continue
             default = f.default if f.default is not dataclasses.MISSING else ""

@@ -201,7 +201,8 @@ def load_runtime_env(path: str | Path, env: Mapping[str, str] | None = None,
     default) applies. Values referencing a secret (``RAYDECK_S3_SECRET_ACCESS_KEY``, ...) are
     kept as written: Ray fills them in on each node, so the secret never leaves the cluster.
     ``working_dir`` and ``py_modules`` paths are made absolute (relative to ``working_dir``,
-    default the current directory), as ``ray job submit`` resolves them.
+    default the current directory), as ``ray job submit`` resolves them, and ``${PWD}`` is that
+    directory.
 
     Raises:
         ConfigError: the file is missing, is not a YAML mapping, or writes a secret's value.
@@ -228,13 +229,15 @@ def load_runtime_env(path: str | Path, env: Mapping[str, str] | None = None,
             module if "://" in str(module) else str((base / str(module)).resolve())
             for module in runtime_env["py_modules"]
         ]
+    # ${PWD} means the directory the submission is made from (a shell's PWD may be stale).
+    values = {**env, "PWD": str(base)}
     env_vars: dict[str, str] = {}
     for name, raw in dict(runtime_env.get("env_vars") or {}).items():
         value = str(raw)
         if _references_secret(value):
             env_vars[str(name)] = value
             continue
-        filled = PLACEHOLDER.sub(lambda match: env.get(match.group(1), ""), value)
+        filled = PLACEHOLDER.sub(lambda match: values.get(match.group(1), ""), value)
         if filled:
             env_vars[str(name)] = filled
     runtime_env["env_vars"] = env_vars

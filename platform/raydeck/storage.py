@@ -58,15 +58,15 @@ _CREDENTIAL_CODES = {
 def secret_env(storage: StorageSettings) -> dict[str, str]:
     """Environment that lets MLflow, boto3, pyarrow and raydeck itself reach the bucket store.
 
-    Holds the secret, so it goes only into process environments and Ray runtime envs built in
-    memory, never into files, logs, MLflow params or tags written by raydeck (note that Ray's
-    runtime env agent logs each runtime env it creates, env vars included, under
-    ``/tmp/ray/session_*/logs``). Empty when storage is not configured.
+    Holds the secret, so it goes only into the environment of processes raydeck starts or
+    configures itself (the tracking proxy's actors, through their constructor), never into a
+    Ray runtime env (Ray's runtime env agent logs those to disk), files, logs, MLflow params or
+    tags. Empty when storage is not configured or this process lacks the secret.
     ``AWS_ENDPOINT_URL_S3`` makes plain ``s3://`` URIs (``ray.train.Checkpoint(uri)``,
     ``pyarrow.fs.FileSystem.from_uri``, boto3) resolve to the same endpoint without touching
     other AWS services a job may use.
     """
-    if not storage.configured:
+    if not storage.configured or not storage.secret_access_key:
         return {}
     return {
         "MLFLOW_S3_ENDPOINT_URL": storage.endpoint,
@@ -223,6 +223,12 @@ def _require(storage: StorageSettings) -> None:
             f"object storage is not configured; set {StorageSettings.env_name('endpoint')}, "
             f"{StorageSettings.env_name('access_key_id')} and "
             f"{StorageSettings.env_name('secret_access_key')} (or [storage] in raydeck.toml)"
+        )
+    if not storage.secret_access_key:
+        raise StorageError(
+            f"{StorageSettings.env_name('secret_access_key')} is not set in this process "
+            f"(endpoint {storage.endpoint}, access key id {storage.access_key_id}); set it "
+            "where the driver runs: Ray workers never receive it through the runtime env"
         )
 
 

@@ -383,8 +383,11 @@ def _max_logged_step(tracker: Any, metric: str, settings: Settings) -> int:
 
     from raydeck.tracking.proxy import find_router
 
-    router = find_router(settings.ray_namespace)
-    return int(ray.get(router.max_step.remote(tracker.run_id, metric), timeout=60))
+    router: Any = find_router(settings.ray_namespace)
+    if router is None:
+        return 0
+    steps: int = ray.get(router.max_step.remote(tracker.run_id, metric), timeout=60)
+    return steps
 
 
 def _fit_distributed(job: SweepJob, trial_config: dict[str, Any], data: Any, tracker: Any,
@@ -646,26 +649,27 @@ def _summarize(grid: Any, config: SweepConfig, parent: Any, job: SweepJob,
             config={k: v for k, v in result.config.items() if k != "data"},
             time_total_s=float(result.metrics.get("time_total_s", 0.0) or 0.0),
         ))
-    scored = [t for t in trials if t.best_score is not None and not math.isnan(t.best_score)]
+    scored = [(t.best_score, t) for t in trials
+              if t.best_score is not None and not math.isnan(t.best_score)]
     if not scored:
         raise ConfigError(
             f"no trial reported {config.metric!r}; check the job's reports "
             f"(statuses: {sorted({t.status for t in trials})})"
         )
-    best = better(scored, key=lambda t: t.best_score)
+    best_score, best = better(scored, key=lambda pair: pair[0])
     parent.set_tags({"raydeck.best_trial_id": best.trial_id, "raydeck.best_run_id": best.run_id,
                      **{f"best.{k}": v for k, v in best.config.items()},
                      **{f"raydeck.trials_{s}": sum(t.status == s for t in trials)
                         for s in ("completed", "pruned", "errored")}})
-    parent.log_metrics({f"best_{config.metric}": float(best.best_score)}, step=0)
+    parent.log_metrics({f"best_{config.metric}": best_score}, step=0)
     parent.log_dict({"trial_id": best.trial_id, "run_id": best.run_id, "config": best.config,
-                     config.metric: best.best_score}, "sweep/best_trial.json")
+                     config.metric: best_score}, "sweep/best_trial.json")
     uri = None
     if config.register_model_as and job.model_factory is not None:
         uri = _register_best(grid, best, config, job, client, parent)
     return SweepResult(
         parent_run_id=parent.run_id, best_trial_id=best.trial_id, best_run_id=best.run_id,
-        best_config=best.config, best_score=float(best.best_score), trials=tuple(trials),
+        best_config=best.config, best_score=best_score, trials=tuple(trials),
         registered_model_uri=uri, wall_time_s=0.0,
     )
 

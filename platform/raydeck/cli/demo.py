@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import typer
@@ -17,7 +18,7 @@ POLL_INTERVAL_S = 0.5
 TARGET_ACCURACY = 0.90
 
 
-def _progress_watcher(epochs: int):  # type: ignore[no-untyped-def]
+def _progress_watcher(epochs: int) -> Callable[[Tracker, threading.Event], None]:
     """A ``watch`` callback for run_digits: one progress bar, updated from the proxy."""
 
     def watch(tracker: Tracker, done: threading.Event) -> None:

@@ -100,8 +100,12 @@ def submit(
 
 def _quiet_logs(level: str) -> None:
     """raydeck's own log lines only: Ray narrates every packaging step of a submission."""
+    # Ray's job SDK sets its own logger to INFO when imported, so import it first.
+    from ray.dashboard.modules import dashboard_sdk
+
     setup_logging(level)
-    logging.getLogger("ray").setLevel(logging.ERROR)
+    for name in ("ray", dashboard_sdk.__name__):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def _echo(chunk: str) -> None:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import typer
 from rich.table import Table
 
 from raydeck.cli._console import console
+from raydeck.config import Settings
 
 app = typer.Typer(help="Inspect or stop the tracking proxy.", no_args_is_help=True)
 STATUS_TIMEOUT_S = 30.0
 
 
-def _router():  # type: ignore[no-untyped-def]
+def _router() -> tuple[Any, Settings]:
     """The running proxy's router (or None) and the settings; raises if no cluster answers."""
     from raydeck.cluster import connect_existing
     from raydeck.config import load_settings

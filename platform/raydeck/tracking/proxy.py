@@ -76,8 +76,8 @@ class Router:
             self.core.client.search_experiments(max_results=1)
         except Exception as exc:
             logger.warning("MLflow not reachable yet: %s", exc)
-        shard_actor = ray.remote(Shard)
-        self.shards = [
+        shard_actor: Any = ray.remote(Shard)
+        self.shards: list[Any] = [
             shard_actor.options(name=shard_name(i), namespace=config.namespace,
                                 **ACTOR_OPTIONS).remote(
                 ShardConfig(index=i, tracking_uri=config.tracking_uri,

@@ -27,6 +27,7 @@ import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from raydeck.tracking.messages import Batch
 
@@ -111,7 +112,7 @@ class Spool:
                 shutil.rmtree(path, ignore_errors=True)
 
     # --- writing --------------------------------------------------------------------------
-    def _open_segment(self):  # type: ignore[no-untyped-def]
+    def _open_segment(self) -> BinaryIO:
         return open(self.directory / self._segment_name(), "ab")
 
     def _append(self, record: tuple) -> None:
