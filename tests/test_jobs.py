@@ -123,8 +123,7 @@ def test_runtime_env_files_are_valid_ray_runtime_envs_without_secrets(path: Path
             assert name in known, name
             # Filled in from the environment, never written here.
             assert PLACEHOLDER.search(str(value)), (name, value)
-        if name in SECRET_ENV_VARS:
-            assert value == f"${{{name}}}"
+        assert name not in SECRET_ENV_VARS, "Ray logs runtime envs: no secrets in them"
     # On a node where a variable is unset, Ray fills in "": raydeck must read it as the default.
     load_settings(env={name: "" for name in env_vars if name.startswith("RAYDECK_")})
 
@@ -146,14 +145,24 @@ def test_raydeck_fills_runtime_envs_from_the_submitting_environment_but_never_se
     assert runtime_env["env_vars"] == {
         "RAYDECK_TRACKING_URI": "http://mlflow:5000", "RAYDECK_DATA_DIR": "/data",
         "RAYDECK_S3_ENDPOINT": "http://minio:9000", "RAYDECK_S3_ACCESS_KEY_ID": "ak",
-        "RAYDECK_S3_SECRET_ACCESS_KEY": "${RAYDECK_S3_SECRET_ACCESS_KEY}",
     }
     assert "the-secret" not in str(runtime_env)
-    # Unset variables are left out, so the cluster's own environment applies.
+    # Unset variables are left out, so the cluster's own environment applies; ${PWD} is the
+    # directory the submission is made from.
     assert load_runtime_env(REPO / "runtime_envs/gpu.yaml", env={})["env_vars"] == {
-        "RAYDECK_S3_SECRET_ACCESS_KEY": "${RAYDECK_S3_SECRET_ACCESS_KEY}",
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "NCCL_DEBUG": "WARN",
     }
+    assert load_runtime_env(REPO / "runtime_envs/local.yaml", env={}, working_dir=tmp_path
+                            )["env_vars"] == {"RAYDECK_DATA_DIR": f"{tmp_path}/.raydeck"}
+    # --cluster-env: everything as written, for the nodes to fill in.
+    as_written = load_runtime_env(REPO / "runtime_envs/cpu.yaml", env=submitting, fill=False)
+    assert as_written["env_vars"]["RAYDECK_TRACKING_URI"] == "${RAYDECK_TRACKING_URI}"
+    # A secret may be referenced (Ray fills it in on the node; raydeck never does), not written.
+    referencing = tmp_path / "referencing.yaml"
+    referencing.write_text("working_dir: .\nenv_vars:\n"
+                           "  RAYDECK_S3_SECRET_ACCESS_KEY: ${RAYDECK_S3_SECRET_ACCESS_KEY}\n")
+    assert load_runtime_env(referencing, env=submitting)["env_vars"] == {
+        "RAYDECK_S3_SECRET_ACCESS_KEY": "${RAYDECK_S3_SECRET_ACCESS_KEY}"}
     leaky = tmp_path / "leaky.yaml"
     leaky.write_text("working_dir: .\nenv_vars:\n  RAYDECK_S3_SECRET_ACCESS_KEY: hunter2\n")
     with pytest.raises(ConfigError) as raised:
@@ -292,3 +301,18 @@ def test_a_missing_or_wrong_token_is_one_clear_line(
     assert line.startswith(f"error: the Ray job server at {ray_head.address} refused")
     assert expected in line
     assert "not-the-token" not in line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_infeasible_preset_is_refused_before_the_job_is_submitted(ray_head: RayHead) -> None:
+    from raydeck.jobs import JobServer
+
+    line = _one_error_line(_raydeck("submit", "jobs/digits_torch.py", "--runtime-env",
+                                    "runtime_envs/cpu.yaml", "--preset", "gpu-1",
+                                    env=_submit_env(ray_head), timeout=280))
+    assert line.startswith("error: preset 'gpu-1' asks for 1 worker(s) x (4 CPU, 1 GPU), PACK, "
+                           "but the cluster has 1 node(s) with 2 CPU")
+    client = JobServer.from_env(env=ray_head.client_env).client()
+    assert not [job for job in client.list_jobs()
+                if (job.metadata or {}).get("raydeck_preset") == "gpu-1"]

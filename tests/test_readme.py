@@ -26,12 +26,14 @@ def test_readme_opens_with_exactly_two_commands_and_ci_runs_the_test_command() -
     assert tests in ci.splitlines(), "CI must run README's exact test command"
 
 
-@pytest.mark.parametrize("marker", ["settings-table", "metrics-table"])
+@pytest.mark.parametrize("marker", ["settings-table", "metrics-table", "presets-table"])
 def test_generated_tables_match_their_registries(marker: str) -> None:
     from raydeck.config import settings_markdown
     from raydeck.observability.metrics import metrics_markdown
+    from raydeck.scaling import presets_markdown
 
-    expected = {"settings-table": settings_markdown, "metrics-table": metrics_markdown}[marker]()
+    expected = {"settings-table": settings_markdown, "metrics-table": metrics_markdown,
+                "presets-table": presets_markdown}[marker]()
     match = re.search(rf"<!-- {marker} -->\n(.*?)\n<!-- /{marker} -->", README, re.S)
     assert match, f"README.md lacks the <!-- {marker} --> block"
     assert match.group(1).strip() == expected.strip(), (

@@ -17,8 +17,8 @@ Three facts of Ray 2.60 shape this module:
   import raydeck and how to fix it, instead of a ``No module named 'ray'`` deep in a job log.
 - Ray fills in ``${NAME}`` in a runtime env's ``env_vars`` on each node from the environment
   ``ray start`` ran with. :func:`load_runtime_env` fills them from the *submitting* environment
-  instead, except secrets, which stay ``${NAME}`` for the cluster to fill: they never travel
-  with the job, where the Ray dashboard would show them.
+  instead, except secrets, which stay ``${NAME}`` for the cluster to fill: a secret's value
+  never travels with the job, whose runtime env Ray's agent logs and its dashboard shows.
 """
 
 from __future__ import annotations
@@ -193,13 +193,17 @@ def check_runtime_env(runtime_env: Mapping[str, Any], source: str) -> None:
 
 
 def load_runtime_env(path: str | Path, env: Mapping[str, str] | None = None,
-                     working_dir: str | Path | None = None) -> dict[str, Any]:
+                     working_dir: str | Path | None = None, fill: bool = True
+                     ) -> dict[str, Any]:
     """A runtime env file, ready to submit from this machine.
 
     ``${NAME}`` in ``env_vars`` values is filled in from ``env`` (default ``os.environ``); a
     value that is empty once filled is left out, so the cluster's own environment (or raydeck's
-    default) applies. Values referencing a secret (``RAYDECK_S3_SECRET_ACCESS_KEY``, ...) are
-    kept as written: Ray fills them in on each node, so the secret never leaves the cluster.
+    default) applies. With ``fill=False`` every value stays as written and Ray fills it in on
+    each node, as plain ``ray job submit`` does (for clusters that see services under other
+    names than the submitting machine does, e.g. Docker Compose). Values referencing a secret
+    (``RAYDECK_S3_SECRET_ACCESS_KEY``, ...) are always kept as written: Ray fills them in on
+    each node, so the secret never leaves the cluster.
     ``working_dir`` and ``py_modules`` paths are made absolute (relative to ``working_dir``,
     default the current directory), as ``ray job submit`` resolves them, and ``${PWD}`` is that
     directory.
@@ -234,7 +238,7 @@ def load_runtime_env(path: str | Path, env: Mapping[str, str] | None = None,
     env_vars: dict[str, str] = {}
     for name, raw in dict(runtime_env.get("env_vars") or {}).items():
         value = str(raw)
-        if _references_secret(value):
+        if not fill or _references_secret(value):
             env_vars[str(name)] = value
             continue
         filled = PLACEHOLDER.sub(lambda match: values.get(match.group(1), ""), value)

@@ -389,3 +389,16 @@ def check_feasible(
                "resources")
     logger.info(message)
     return Feasibility(False, message)
+
+
+def presets_markdown() -> str:
+    """README's table of the built-in presets, rendered from :data:`BUILTIN_PRESETS`."""
+    lines = ["| preset | workers | CPU / worker | GPU / worker | placement | max failures | "
+             "checkpoints kept | what for |", "|---|---|---|---|---|---|---|---|"]
+    for preset in BUILTIN_PRESETS.values():
+        lines.append(
+            f"| `{preset.name}` | {preset.num_workers} | {preset.cpus_per_worker:g} | "
+            f"{preset.gpus_per_worker:g} | {preset.placement_strategy} | {preset.max_failures} | "
+            f"{preset.checkpoints_to_keep} | {preset.description} |"
+        )
+    return "\n".join(lines)

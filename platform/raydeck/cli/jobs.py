@@ -30,6 +30,9 @@ def submit(
     wait: bool = typer.Option(True, help="Stream the job's log until it ends."),
     check: bool = typer.Option(True, help="Run the preflight probe (the cluster's Python can "
                                           "import raydeck; the preset fits the cluster)."),
+    cluster_env: bool = typer.Option(False, "--cluster-env",
+                                     help="Leave ${NAME} values for the cluster's nodes to fill "
+                                          "in (as `ray job submit` does) instead of your shell."),
 ) -> None:
     """Submit a job file with a preset and a runtime env; stream its log; show its MLflow run.
 
@@ -60,7 +63,7 @@ def submit(
     name = run_name or Path(job_file).stem.replace("_", "-")
     if run_id is not None and not RUN_KEY_PATTERN.match(run_id):
         raise ConfigError(f"--run-id={run_id!r}: may hold 1-128 letters, digits, _ . - only")
-    env = load_runtime_env(runtime_env)
+    env = load_runtime_env(runtime_env, fill=not cluster_env)
     check_job_file(job_file, env)
     request = JobRequest(job_file=job_file, preset=chosen.name, run_name=name,
                          run_id=run_id or new_run_id(name), runtime_env=env,
