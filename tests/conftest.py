@@ -22,7 +22,7 @@ from tests.fixtures.s3_server import S3Server
 TEST_ENV = {
     "RAYDECK_TRACKING_FLUSH_INTERVAL_S": "0.1",
     "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "1",
-    "RAYDECK_TRACKING_LOST_AFTER_S": "30",
+    "RAYDECK_TRACKING_LOST_AFTER_S": "15",
     "RAYDECK_TRACKING_FINISH_TIMEOUT_S": "60",
     "RAYDECK_LOG_LEVEL": "INFO",
     # Ray Train polls its workers every 2 s by default; 0.5 s saves seconds per job.

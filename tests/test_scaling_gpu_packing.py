@@ -2,7 +2,7 @@
 answers from real per-node resources.
 
 One driver process (``tests/fixtures/fake_gpu_cluster.py``) starts a two-node Ray cluster with
-two fake GPUs and four CPUs per node, trains each preset with Ray Train (gloo backend) and
+two fake GPUs and four CPUs per node, starts each preset's Ray Train worker group and
 prints what every worker saw; the tests assert on it.
 """
 

@@ -18,16 +18,25 @@ from tests.fixtures.processes import wait_until
 from tests.fixtures.tracking import isolated_settings, metric_steps, start_isolated_server
 
 
+@pytest.fixture(scope="module")
+def killable_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """An MLflow server these tests may kill and restart (never the session's)."""
+    server = start_isolated_server(tmp_path_factory.mktemp("killable"))
+    yield server
+    server.stop()
+
+
 @pytest.fixture
-def isolated(tmp_path: Path, ray_cluster: None) -> Iterator[tuple[MlflowServer, Settings]]:
+def isolated(tmp_path: Path, ray_cluster: None, killable_mlflow: MlflowServer
+             ) -> Iterator[tuple[MlflowServer, Settings]]:
     """A tracking proxy of its own, writing to an MLflow server this test may kill."""
     from raydeck.tracking.proxy import stop_proxy
 
-    server = start_isolated_server(tmp_path)
-    settings = isolated_settings(tmp_path, server.uri)
-    yield server, settings
+    if not killable_mlflow.alive():
+        killable_mlflow.start()  # an earlier test failed while the server was down
+    settings = isolated_settings(tmp_path, killable_mlflow.uri)
+    yield killable_mlflow, settings
     stop_proxy(settings.ray_namespace, 30)
-    server.stop()
 
 
 def _log_range(tracker: Any, start: int, stop: int) -> None:

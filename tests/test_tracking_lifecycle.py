@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
+from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.processes import wait_until
 from tests.fixtures.tracking import (
     driver_process,
     isolated_settings,
     metric_steps,
     read_line_with,
-    start_isolated_server,
 )
 
 LOGGING_DRIVER = """
@@ -107,33 +107,31 @@ def test_a_run_records_how_it_was_made(ray_cluster: None, mlflow_client: Any) ->
 
 
 @pytest.mark.timeout(300)
-def test_the_proxy_stops_itself_when_idle(tmp_path: Path, ray_cluster: None) -> None:
+def test_the_proxy_stops_itself_when_idle(tmp_path: Path, ray_cluster: None,
+                                          mlflow_server: MlflowServer) -> None:
     import raydeck
     from raydeck.tracking.proxy import find_router, stop_proxy
 
-    server = start_isolated_server(tmp_path)
-    settings = isolated_settings(tmp_path, server.uri, idle_timeout_s=3.0)
+    settings = isolated_settings(tmp_path, mlflow_server.uri, idle_timeout_s=3.0)
     try:
         raydeck.get_tracker(settings=settings).finish()
         assert find_router(settings.ray_namespace) is not None
         wait_until(lambda: find_router(settings.ray_namespace) is None, 60, "proxy idle stop")
     finally:
         stop_proxy(settings.ray_namespace, 0)
-        server.stop()
 
 
 @pytest.mark.timeout(300)
-def test_tracking_status_and_stop_commands(tmp_path: Path, ray_cluster: None) -> None:
+def test_tracking_status_and_stop_commands(tmp_path: Path, ray_cluster: None,
+                                           mlflow_server: MlflowServer) -> None:
     import ray
 
     import raydeck
-    from raydeck.tracking.proxy import find_router
+    from raydeck.tracking.proxy import find_router, stop_proxy
 
-    server = start_isolated_server(tmp_path)
-    settings = isolated_settings(tmp_path, server.uri)
+    settings = isolated_settings(tmp_path, mlflow_server.uri)
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
-           "RAYDECK_RAY_NAMESPACE": settings.ray_namespace,
-           "RAYDECK_TRACKING_URI": server.uri, "COLUMNS": "200"}
+           "RAYDECK_RAY_NAMESPACE": settings.ray_namespace, "COLUMNS": "200"}
     try:
         tracker = raydeck.get_tracker(run_name="cli-status", settings=settings)
         tracker.log_metric("x", 1.0)
@@ -149,4 +147,4 @@ def test_tracking_status_and_stop_commands(tmp_path: Path, ray_cluster: None) ->
         assert "everything was written" in stopped.stdout
         wait_until(lambda: find_router(settings.ray_namespace) is None, 30, "proxy stopped")
     finally:
-        server.stop()
+        stop_proxy(settings.ray_namespace, 0)

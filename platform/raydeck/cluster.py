@@ -20,6 +20,8 @@ from raydeck.errors import ClusterUnavailableError
 
 logger = logging.getLogger(__name__)
 
+TRAIN_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+
 PROBE_TIMEOUT_S = 3.0
 
 
@@ -50,6 +52,10 @@ def job_runtime_env(settings: Settings, extra: dict[str, Any] | None = None) -> 
     tracking proxy gets its credentials from the process that creates it.
     """
     env_vars = settings.to_env()
+    # An epoch is logged once Ray Train has committed its checkpoint, which happens when the
+    # controller next polls the workers; Ray's 2 s default would add up to 2 s to every epoch
+    # (measured: the demo's 10 epochs took 16 s longer). A value the user set wins.
+    env_vars[TRAIN_POLL_ENV] = os.environ.get(TRAIN_POLL_ENV, str(settings.train_poll_interval_s))
     runtime_env: dict[str, Any] = dict(extra or {})
     runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
     return runtime_env

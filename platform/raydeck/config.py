@@ -190,6 +190,9 @@ class Settings(_Section):
     presets_file: str = setting("", "YAML/TOML file with extra scaling presets")
     run_id: str = setting("", "Shared run id: processes with the same value log to one run")
     log_level: str = setting("INFO", "Log level of raydeck's loggers")
+    train_poll_interval_s: float = setting(
+        0.5, "Ray Train's worker poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S; Ray's default is 2)"
+    )
     tracking: TrackingSettings = field(default_factory=TrackingSettings)
     storage: StorageSettings = field(default_factory=StorageSettings)
 
@@ -203,6 +206,8 @@ class Settings(_Section):
             raise self._reject("ray_namespace", "may only hold letters, digits, _ . -")
         if self.run_id and not RUN_KEY_PATTERN.match(self.run_id):
             raise self._reject("run_id", "may hold 1-128 letters, digits, _ . - only")
+        if not 0 < self.train_poll_interval_s <= 60:
+            raise self._reject("train_poll_interval_s", "must be > 0 and <= 60 seconds")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise self._reject("log_level", "must be DEBUG, INFO, WARNING or ERROR")
 
