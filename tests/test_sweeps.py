@@ -136,6 +136,17 @@ def _terminated_trials(sweep_dir: Path) -> set[str]:
     return done
 
 
+def _alive_actors_of_driver(pid: int) -> list[Any]:
+    import ray._private.state as ray_state
+    from ray.util.state import list_actors
+
+    jobs = [j["JobID"] for j in ray_state.jobs() if j.get("DriverPid") == pid]
+    return [actor for job in jobs
+            for actor in list_actors(filters=[("job_id", "=", job), ("state", "=", "ALIVE")],
+                                     detail=True)
+            if not actor.is_detached]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_sweep_resumes_without_rerunning_or_duplicating_trials(
@@ -166,6 +177,9 @@ def test_a_killed_sweep_resumes_without_rerunning_or_duplicating_trials(
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
+    # Resume once Ray has stopped the dead sweep's trials, as a user resuming later would: a
+    # trial process still finishing an iteration would race the resumed one.
+    wait_until(lambda: not _alive_actors_of_driver(driver.pid), 120, "killed sweep cleaned up")
     resumed_at = time.time()
     resumed = subprocess.run([*args, "--resume"], env=env, capture_output=True, text=True,
                              timeout=400)
