@@ -148,3 +148,17 @@ def test_tracking_status_and_stop_commands(tmp_path: Path, ray_cluster: None,
         wait_until(lambda: find_router(settings.ray_namespace) is None, 30, "proxy stopped")
     finally:
         stop_proxy(settings.ray_namespace, 0)
+
+
+@pytest.mark.timeout(180)
+def test_last_step_counts_values_still_on_their_way_to_mlflow(ray_cluster: None,
+                                                              mlflow_client: Any) -> None:
+    import raydeck
+
+    with raydeck.get_tracker(run_name="last-step") as tracker:
+        for step in (0, 7, 3):
+            tracker.log_metric("loss", 1.0 / (step + 1), step=step)
+        # Asked right away: the proxy writes what it holds of the run before answering.
+        assert tracker.last_step("loss") == 7
+        assert tracker.last_step("never_logged") == -1
+    assert metric_steps(mlflow_client, tracker.run_id, "loss") == [0, 3, 7]

@@ -347,7 +347,7 @@ def _make_trainable(job: SweepJob, config: SweepConfig, settings: Settings) -> C
         # ended); two writers of one MLflow tag race.
         tracker.set_tags({"raydeck.trial_id": trial_id, "raydeck.sweep": config.key})
         if tracker.resumed:
-            _logged_up_to[tracker.run_id] = _max_logged_step(tracker, config.metric, settings)
+            _logged_up_to[tracker.run_id] = tracker.last_step(config.metric)
             tracker.set_tags({RESUMED_TAG: "true"})
         tracker.log_params(trial_config)
         try:
@@ -376,18 +376,6 @@ def _make_trainable(job: SweepJob, config: SweepConfig, settings: Settings) -> C
     else:
         resources = preset.resources_per_worker()
     return tune.with_resources(trainable, resources)
-
-
-def _max_logged_step(tracker: Any, metric: str, settings: Settings) -> int:
-    import ray
-
-    from raydeck.tracking.proxy import find_router
-
-    router: Any = find_router(settings.ray_namespace)
-    if router is None:
-        return 0
-    steps: int = ray.get(router.max_step.remote(tracker.run_id, metric), timeout=60)
-    return steps
 
 
 def _fit_distributed(job: SweepJob, trial_config: dict[str, Any], data: Any, tracker: Any,

@@ -366,6 +366,17 @@ class Tracker:
         """The newest value and step the proxy received per metric key of this run."""
         return dict(ray.get(self._shard.latest.remote(self.run_id), timeout=timeout_s))
 
+    def last_step(self, key: str, timeout_s: float = 60.0) -> int:
+        """The highest step of metric ``key`` this run holds, in MLflow or on its way (-1: none).
+
+        A job restarted from a checkpoint older than its last logged step (a resumed Tune
+        trial) uses it to skip the steps it already logged. Waits up to ``timeout_s`` for the
+        proxy to write what it holds of this run first.
+        """
+        self.flush(timeout_s)
+        return int(ray.get(self._shard.last_step.remote(self.run_id, key, timeout_s),
+                           timeout=timeout_s + 30))
+
     # --- delivery (flusher thread, flush(), finish()) ----------------------------------------
     def flush(self, timeout_s: float | None = None) -> None:
         """Send everything logged so far and wait until the shard has spooled it.
@@ -633,6 +644,9 @@ class NoOpTracker(Tracker):
 
     def latest(self, timeout_s: float = 5.0) -> dict[str, tuple[float, int]]:
         return {}
+
+    def last_step(self, key: str, timeout_s: float = 60.0) -> int:
+        return -1
 
     def flush(self, timeout_s: float | None = None) -> None:
         return None

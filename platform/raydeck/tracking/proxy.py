@@ -101,9 +101,6 @@ class Router:
     def end_run(self, key: str, status: str, tags: dict[str, str]) -> bool:
         return self.core.end_run(key, status, tags)
 
-    def max_step(self, run_id: str, key: str) -> int:
-        return self.core.max_step(run_id, key)
-
     def get_config(self) -> ProxyConfig:
         return self.config
 

@@ -439,11 +439,6 @@ class RouterCore:
                 for run in self._runs.values()
             ]
 
-    def max_step(self, run_id: str, key: str) -> int:
-        """The highest step MLflow holds for metric ``key`` of a run (-1 if none)."""
-        history = self.client.get_metric_history(run_id, key)
-        return max((m.step for m in history), default=-1)
-
     def run_id_for(self, key: str) -> str | None:
         with self._lock:
             run = self._runs.get(self._aliases.get(key, key))

@@ -52,7 +52,7 @@ class FailurePolicy:
 
 
 class MlflowWriter:
-    """Writes to one MLflow tracking server. Not thread-safe; one per shard writer thread."""
+    """Writes to one MLflow tracking server: one per shard, written to by its writer thread only."""
 
     def __init__(self, tracking_uri: str, policy: FailurePolicy | None = None) -> None:
         os.environ.update(MLFLOW_REQUEST_ENV)
@@ -124,6 +124,17 @@ class MlflowWriter:
             self.client.log_artifact(run_id, str(path), artifact_path)
         except Exception as exc:
             raise TransientWriteError(f"artifact upload: {_short(exc)}") from exc
+
+    def history(self, run_id: str, key: str) -> list[tuple[float, int]]:
+        """Value and step of every point of metric ``key`` that MLflow holds for a run.
+
+        Raises:
+            TransientWriteError: MLflow cannot be read now.
+        """
+        try:
+            return [(m.value, m.step) for m in self.client.get_metric_history(run_id, key)]
+        except Exception as exc:
+            raise TransientWriteError(f"metric history: {_short(exc)}") from exc
 
     def set_terminated(self, run_id: str, status: str) -> None:
         self.client.set_terminated(run_id, status=status, end_time=int(time.time() * 1000))
