@@ -27,7 +27,7 @@ import pytest
 
 from tests.fixtures.processes import ManagedProcess, wait_until
 
-EPOCHS = 8
+EPOCHS = 5
 KILL_AFTER_EPOCH = 1
 RUN_TIMEOUT_S = 500.0
 POLL_INTERVAL_S = 0.1
