@@ -43,10 +43,10 @@ def run(scheduler: str, args: argparse.Namespace, trials: int | None = None
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=16)
-    parser.add_argument("--max-t", type=int, default=8)
+    parser.add_argument("--trials", type=int, default=32)
+    parser.add_argument("--max-t", type=int, default=16)
     parser.add_argument("--reduction-factor", type=float, default=4.0)
-    parser.add_argument("--epochs-per-iteration", type=int, default=10)
+    parser.add_argument("--epochs-per-iteration", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
