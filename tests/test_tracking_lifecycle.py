@@ -159,6 +159,26 @@ def test_last_step_counts_values_still_on_their_way_to_mlflow(ray_cluster: None,
         for step in (0, 7, 3):
             tracker.log_metric("loss", 1.0 / (step + 1), step=step)
         # Asked right away: the proxy writes what it holds of the run before answering.
-        assert tracker.last_step("loss") == 7
-        assert tracker.last_step("never_logged") == -1
+        assert tracker.last_steps(["loss", "never_logged"]) == {"loss": 7, "never_logged": -1}
     assert metric_steps(mlflow_client, tracker.run_id, "loss") == [0, 3, 7]
+
+
+@pytest.mark.timeout(180)
+def test_a_job_restarted_from_an_older_checkpoint_logs_each_step_once(ray_cluster: None,
+                                                                       mlflow_client: Any) -> None:
+    import raydeck
+    from raydeck.checkpointing import mark_resumed
+
+    logged_at = int(time.time() * 1000)
+    with raydeck.get_tracker(run_name="restarted") as tracker:
+        for epoch in range(3):
+            tracker.log_metrics({"loss": 1.0 / (epoch + 1)}, step=epoch,
+                                timestamp_ms=logged_at + epoch)
+        # The restarted job restored epoch 1's checkpoint, which stored epoch 1's point (epoch 2
+        # was logged but its checkpoint lost), and trains epochs 2 and 3 again.
+        mark_resumed(tracker, 1, [("loss", 0.5, logged_at + 1, 1)])
+        for epoch in (2, 3):
+            tracker.log_metrics({"loss": 0.01}, step=epoch)
+    history = {m.step: m.value for m in mlflow_client.get_metric_history(tracker.run_id, "loss")}
+    assert metric_steps(mlflow_client, tracker.run_id, "loss") == [0, 1, 2, 3]
+    assert history[2] == pytest.approx(1 / 3) and history[3] == pytest.approx(0.01)

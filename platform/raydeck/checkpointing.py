@@ -271,8 +271,13 @@ def stored_points(directory: str | Path) -> list[MetricPoint]:
 
 
 def mark_resumed(tracker: Tracker, epoch: int, points: list[MetricPoint]) -> None:
-    """After restoring epoch ``epoch``: log its stored points again and tag the run."""
+    """After restoring epoch ``epoch``: log its stored points again and tag the run.
+
+    Values the failed attempt logged after this checkpoint stay in the run; the epochs trained
+    again do not log them twice (:meth:`~raydeck.tracking.Tracker.skip_logged_steps`).
+    """
     log_points(tracker, points)
+    tracker.skip_logged_steps({key for key, _, _, _ in points})
     tracker.set_tags({f"{CHECKPOINT_TAG_PREFIX}resumed_from_epoch": epoch})
     logger.info("resumed from epoch %d", epoch)
 

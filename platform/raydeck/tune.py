@@ -347,7 +347,7 @@ def _make_trainable(job: SweepJob, config: SweepConfig, settings: Settings) -> C
         # ended); two writers of one MLflow tag race.
         tracker.set_tags({"raydeck.trial_id": trial_id, "raydeck.sweep": config.key})
         if tracker.resumed:
-            _logged_up_to[tracker.run_id] = tracker.last_step(config.metric)
+            _logged_up_to[tracker.run_id] = tracker.last_steps([config.metric])[config.metric]
             tracker.set_tags({RESUMED_TAG: "true"})
         tracker.log_params(trial_config)
         try:

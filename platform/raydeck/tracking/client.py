@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -96,6 +97,9 @@ class Tracker:
         self._max_points = settings.tracking.max_batch_points
         self._flush_interval_s = settings.tracking.flush_interval_s
         self._keys: dict[str, str] = {}
+        # Per final key: values at steps up to this one are already in the run (see
+        # skip_logged_steps); empty unless this process resumed from an older checkpoint.
+        self._logged_through: dict[str, int] = {}
         self._steps: dict[str, int] = {}
         self._logged_params: dict[str, str] = dict(binding.existing_params)
         self._lock = threading.Lock()
@@ -216,6 +220,7 @@ class Tracker:
         timestamp = int(time.time() * 1000) if timestamp_ms is None else int(timestamp_ms)
         keys = self._keys
         steps = self._steps
+        logged_through = self._logged_through
         out: list[Point] = []
         problems: dict[str, str] | None = None
         for key, value in metrics.items():
@@ -242,6 +247,8 @@ class Tracker:
                 point_step = step
                 if steps.get(final, 0) <= step:
                     steps[final] = step + 1
+            if logged_through and point_step <= logged_through.get(final, -1):
+                continue
             out.append((final, number, timestamp, point_step))
         with self._lock:
             self._points.extend(out)
@@ -366,16 +373,30 @@ class Tracker:
         """The newest value and step the proxy received per metric key of this run."""
         return dict(ray.get(self._shard.latest.remote(self.run_id), timeout=timeout_s))
 
-    def last_step(self, key: str, timeout_s: float = 60.0) -> int:
-        """The highest step of metric ``key`` this run holds, in MLflow or on its way (-1: none).
+    def last_steps(self, keys: Iterable[str], timeout_s: float = 60.0) -> dict[str, int]:
+        """The highest step of each metric key this run holds, in MLflow or on its way (-1: none).
 
-        A job restarted from a checkpoint older than its last logged step (a resumed Tune
-        trial) uses it to skip the steps it already logged. Waits up to ``timeout_s`` for the
-        proxy to write what it holds of this run first.
+        Waits up to ``timeout_s`` for the proxy to write what it holds of this run first; if
+        MLflow stays down that long, answers from what the proxy has received.
         """
         self.flush(timeout_s)
-        return int(ray.get(self._shard.last_step.remote(self.run_id, key, timeout_s),
-                           timeout=timeout_s + 30))
+        finals = {self._policy.metric_key(key): key for key in keys}
+        highest = ray.get(self._shard.last_steps.remote(self.run_id, sorted(finals), timeout_s),
+                          timeout=timeout_s + 30)
+        return {finals[final]: int(step) for final, step in highest.items()}
+
+    def skip_logged_steps(self, keys: Iterable[str], timeout_s: float = 60.0) -> None:
+        """From now on, drop values of ``keys`` at steps this run already holds.
+
+        For a job restarted from a checkpoint older than what it had logged: a worker can die
+        after logging an epoch but before Ray Train registered that epoch's checkpoint, and the
+        restarted job trains the epoch again. The run keeps the first values; the repeats are
+        dropped here, on the caller's side.
+        """
+        self._logged_through = {
+            self._policy.metric_key(key): step
+            for key, step in self.last_steps(keys, timeout_s).items() if step >= 0
+        }
 
     # --- delivery (flusher thread, flush(), finish()) ----------------------------------------
     def flush(self, timeout_s: float | None = None) -> None:
@@ -645,8 +666,11 @@ class NoOpTracker(Tracker):
     def latest(self, timeout_s: float = 5.0) -> dict[str, tuple[float, int]]:
         return {}
 
-    def last_step(self, key: str, timeout_s: float = 60.0) -> int:
-        return -1
+    def last_steps(self, keys: Iterable[str], timeout_s: float = 60.0) -> dict[str, int]:
+        return dict.fromkeys(keys, -1)
+
+    def skip_logged_steps(self, keys: Iterable[str], timeout_s: float = 60.0) -> None:
+        return None
 
     def flush(self, timeout_s: float | None = None) -> None:
         return None

@@ -184,8 +184,8 @@ class ShardCore:
         """Last value and step received per metric key of a run (for progress displays)."""
         return dict(self._latest.get(run_id, {}))
 
-    def last_step(self, run_id: str, key: str, timeout_s: float) -> int:
-        """The highest step of metric ``key`` that a run holds, written or pending (-1: none).
+    def last_steps(self, run_id: str, keys: list[str], timeout_s: float) -> dict[str, int]:
+        """The highest step of each metric key that a run holds, written or pending (-1: none).
 
         Waits up to ``timeout_s`` for the run's pending values to land, so that MLflow's
         history is complete (values replayed from the spool after a restart included). If
@@ -193,16 +193,20 @@ class ShardCore:
         """
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            while not self._pending[run_id].snapshot("").empty and time.monotonic() < deadline:
+            pending = self._pending.get(run_id)
+            while (pending is not None and not pending.snapshot("").empty
+                   and time.monotonic() < deadline):
                 self._cv.wait(min(deadline - time.monotonic(), 0.5))
-        received = self._latest.get(run_id, {}).get(key, (0.0, -1))[1]
+        received = self._latest.get(run_id, {})
+        highest = {key: received.get(key, (0.0, -1))[1] for key in keys}
         try:
-            history = self.writer.history(run_id, key)
+            for key in keys:
+                for _, step in self.writer.history(run_id, key):
+                    highest[key] = max(highest[key], step)
         except TransientWriteError as exc:
-            logger.warning("shard %d: cannot read %s of run %s from MLflow: %s",
-                           self.config.index, key, run_id, exc)
-            return received
-        return max([received, *(step for _, step in history)])
+            logger.warning("shard %d: cannot read metric history of run %s from MLflow: %s",
+                           self.config.index, run_id, exc)
+        return highest
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
@@ -371,8 +375,8 @@ class Shard:
     def latest(self, run_id: str) -> dict[str, tuple[float, int]]:
         return self.core.latest(run_id)
 
-    def last_step(self, run_id: str, key: str, timeout_s: float) -> int:
-        return self.core.last_step(run_id, key, timeout_s)
+    def last_steps(self, run_id: str, keys: list[str], timeout_s: float) -> dict[str, int]:
+        return self.core.last_steps(run_id, keys, timeout_s)
 
     def stats(self) -> dict[str, Any]:
         return self.core.stats()
