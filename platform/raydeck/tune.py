@@ -285,9 +285,8 @@ def report(
     tracker = get_tracker()
     iteration = _trial_iterations.get(tracker.run_id, 0) + 1
     _trial_iterations[tracker.run_id] = iteration
-    if iteration > _logged_up_to.get(tracker.run_id, 0):
-        tracker.log_metrics(metrics, step=iteration)
-        tracker.flush()
+    tracker.log_metrics(metrics, step=iteration)
+    tracker.flush()
     if model is None:
         tune.report(metrics)
         return iteration
@@ -318,11 +317,8 @@ def restore(model: Any, optimizer: Any | None = None) -> int:
     return done
 
 
-# Per child run id in this trial process: iterations reported, and the last iteration already
-# in MLflow when a resumed trial started (a trial restarted from an older checkpoint re-runs
-# iterations that had landed; they are reported to Tune again but not logged twice).
+# Per child run id in this trial process: iterations reported.
 _trial_iterations: dict[str, int] = {}
-_logged_up_to: dict[str, int] = {}
 
 
 def _make_trainable(job: SweepJob, config: SweepConfig, settings: Settings) -> Callable[..., None]:
@@ -347,7 +343,9 @@ def _make_trainable(job: SweepJob, config: SweepConfig, settings: Settings) -> C
         # ended); two writers of one MLflow tag race.
         tracker.set_tags({"raydeck.trial_id": trial_id, "raydeck.sweep": config.key})
         if tracker.resumed:
-            _logged_up_to[tracker.run_id] = tracker.last_steps([config.metric])[config.metric]
+            # A trial restarted from an older checkpoint re-runs iterations that had landed:
+            # they are reported to Tune again but not logged twice.
+            tracker.skip_logged_steps(job.reports)
             tracker.set_tags({RESUMED_TAG: "true"})
         tracker.log_params(trial_config)
         try:
