@@ -1,33 +1,43 @@
 """How fast metric points reach MLflow: raydeck's proxy against the naive ways, in one run.
 
-Measures, against one local ``mlflow server`` (SQLite, 1 worker) started here:
+For each backend (MLflow on SQLite with 1 server worker, as the embedded default; MLflow on
+PostgreSQL with 4 server workers, as production runs it), against a local ``mlflow server``
+started here:
   (a) one REST ``runs/log-metric`` POST per point (the usual workaround from Ray workers);
-  (b) ``MlflowClient.log_batch`` with 1,000 metrics per call straight to the server (the ceiling);
-  (c) raydeck end to end: 2 and 4 Ray workers logging as fast as they can, timed until every
-      point is in MLflow (``finish()`` returned);
-  (d) the caller-side cost of one ``log_metrics`` call with one value, against one
-      fire-and-forget Ray actor call.
-Prints a table and every ratio. Run: ``.venv/bin/python benchmarks/tracking_ingest.py``.
+  (b) ``MlflowClient.log_batch`` with 1,000 metrics per call from one client;
+  (c) the same from N concurrent client processes: the server's real ceiling;
+  (d) raydeck end to end: 2 and 4 Ray workers logging to one run as fast as they can, timed
+      until every point is in MLflow (``finish()`` returned).
+And once: (e) the caller-side cost of one ``log_metrics`` call with one value, against one
+fire-and-forget Ray actor call. Prints a table and every ratio.
+
+Run: ``.venv/bin/python benchmarks/tracking_ingest.py [--backend sqlite|postgres|both]``.
+PostgreSQL needs Debian's ``postgresql`` package (README's first command installs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import multiprocessing
 import os
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.fixtures.mlflow_server import MlflowServer  # noqa: E402
+from tests.fixtures.postgres import PostgresServer  # noqa: E402
 
 REST_POINTS = 300
 BATCH_CALLS = 20
 BATCH_SIZE = 1000
+CONCURRENT_CLIENTS = 4
 CALL_COST_SAMPLES = 200_000
 ACTOR_CALL_SAMPLES = 2_000
 
@@ -46,33 +56,49 @@ def rest_per_point(uri: str, run_id: str) -> float:
     return REST_POINTS / (time.perf_counter() - started)
 
 
-def log_batch_ceiling(uri: str, run_id: str) -> float:
+def _log_batches(uri: str, run_id: str, key: str, calls: int) -> None:
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(uri)
     now = int(time.time() * 1000)
-    started = time.perf_counter()
-    for call in range(BATCH_CALLS):
+    for call in range(calls):
         client.log_batch(run_id, metrics=[
-            Metric("batch", float(i), now, call * BATCH_SIZE + i) for i in range(BATCH_SIZE)
+            Metric(key, float(i), now, call * BATCH_SIZE + i) for i in range(BATCH_SIZE)
         ], synchronous=True)
-    return BATCH_CALLS * BATCH_SIZE / (time.perf_counter() - started)
 
 
-def raydeck_end_to_end(workers: int, points_per_worker: int) -> tuple[float, float]:
+def log_batch_rate(uri: str, run_id: str, clients: int) -> float:
+    """Points/s of ``clients`` processes each sending BATCH_CALLS x BATCH_SIZE points."""
+    if clients == 1:
+        started = time.perf_counter()
+        _log_batches(uri, run_id, "batch", BATCH_CALLS)
+        return BATCH_CALLS * BATCH_SIZE / (time.perf_counter() - started)
+    context = multiprocessing.get_context("spawn")
+    processes = [context.Process(target=_log_batches, args=(uri, run_id, f"batch{i}", BATCH_CALLS))
+                 for i in range(clients)]
+    started = time.perf_counter()
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join()
+    return clients * BATCH_CALLS * BATCH_SIZE / (time.perf_counter() - started)
+
+
+def raydeck_end_to_end(settings: Any, workers: int, points_per_worker: int
+                       ) -> tuple[float, float]:
     """Points/s until landed, and the mean caller-side microseconds per log call in workers."""
     import ray
 
     import raydeck
 
     key = f"bench-{workers}w-{uuid.uuid4().hex[:6]}"
-    driver = raydeck.get_tracker(key, run_name=f"ingest-{workers}-workers")
+    driver = raydeck.get_tracker(key, run_name=f"ingest-{workers}-workers", settings=settings)
 
     @ray.remote(num_cpus=0)
     class Worker:
-        def setup(self, key: str) -> None:
-            self.tracker = raydeck.get_tracker(key)
+        def setup(self, key: str, settings: Any) -> None:
+            self.tracker = raydeck.get_tracker(key, settings=settings)
 
         def log(self, index: int, points: int) -> float:
             name = f"w{index}/x"
@@ -84,28 +110,28 @@ def raydeck_end_to_end(workers: int, points_per_worker: int) -> tuple[float, flo
             return per_call_us
 
     actors = [Worker.remote() for _ in range(workers)]
-    ray.get([a.setup.remote(key) for a in actors])
+    ray.get([a.setup.remote(key, settings) for a in actors])
     started = time.perf_counter()
     costs = ray.get([a.log.remote(i, points_per_worker) for i, a in enumerate(actors)])
-    driver.finish()
+    driver.finish(timeout_s=600)
     elapsed = time.perf_counter() - started
     for actor in actors:
         ray.kill(actor)
     return workers * points_per_worker / elapsed, sum(costs) / len(costs)
 
 
-def call_costs() -> tuple[float, float]:
+def call_costs(settings: Any) -> tuple[float, float]:
     """Microseconds per call: tracker.log_metrics (one value) and a fire-and-forget actor call."""
     import ray
 
     import raydeck
 
-    tracker = raydeck.get_tracker(run_name="call-cost")
+    tracker = raydeck.get_tracker(run_name="call-cost", settings=settings)
     started = time.perf_counter()
     for step in range(CALL_COST_SAMPLES):
         tracker.log_metrics({"cost": 0.5}, step=step)
     log_us = (time.perf_counter() - started) / CALL_COST_SAMPLES * 1e6
-    tracker.finish()
+    tracker.finish(timeout_s=600)
 
     @ray.remote(num_cpus=0)
     class Sink:
@@ -125,58 +151,102 @@ def call_costs() -> tuple[float, float]:
     return log_us, actor_us
 
 
+def bench_backend(name: str, server: MlflowServer, root: Path, points: int
+                  ) -> list[tuple[str, str, str]]:
+    from mlflow.tracking import MlflowClient
+
+    from raydeck.config import load_settings
+    from raydeck.tracking.proxy import stop_proxy
+
+    client = MlflowClient(server.uri)
+    run_id = client.create_run(client.create_experiment(f"bench-{name}")).info.run_id
+    rest = rest_per_point(server.uri, run_id)
+    single = log_batch_rate(server.uri, run_id, 1)
+    ceiling = log_batch_rate(server.uri, run_id, CONCURRENT_CLIENTS)
+    base = load_settings()
+    settings = dataclasses.replace(
+        base, ray_namespace=f"raydeck-bench-{uuid.uuid4().hex[:6]}", data_dir=root / "data",
+        tracking=dataclasses.replace(base.tracking, uri=server.uri, artifact_location=""))
+    raydeck_end_to_end(settings, 1, 1000)  # warm-up: the proxy's actors start once
+    results = {w: raydeck_end_to_end(settings, w, points) for w in (2, 4)}
+    stop_proxy(settings.ray_namespace, 60)
+    rows = [
+        (f"[{name}] (a) REST POST per point", f"{rest:,.0f} points/s", ""),
+        (f"[{name}] (b) log_batch x1000, 1 client", f"{single:,.0f} points/s",
+         f"{single / rest:.0f}x (a)"),
+        (f"[{name}] (c) log_batch x1000, {CONCURRENT_CLIENTS} clients (ceiling)",
+         f"{ceiling:,.0f} points/s", f"{ceiling / single:.2f}x (b)"),
+    ]
+    for workers, (rate, worker_us) in results.items():
+        rows.append((f"[{name}] (d) raydeck, {workers} Ray workers", f"{rate:,.0f} points/s",
+                     f"{rate / ceiling:.2f}x (c), {rate / single:.2f}x (b), "
+                     f"{rate / rest:.0f}x (a); {worker_us:.1f} us/call in workers"))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points-per-worker", type=int, default=25_000)
+    parser.add_argument("--backend", choices=("sqlite", "postgres", "both"), default="both")
     args = parser.parse_args()
 
     import logging
 
     logging.basicConfig(level=logging.WARNING)
+    rows: list[tuple[str, str, str]] = []
     with tempfile.TemporaryDirectory(prefix="raydeck-bench-") as tmp:
-        server = MlflowServer(Path(tmp) / "mlflow").start()
+        root = Path(tmp)
         os.environ.update({
-            "RAYDECK_TRACKING_URI": server.uri,
-            "RAYDECK_DATA_DIR": str(Path(tmp) / "data"),
-            "RAYDECK_RAY_NAMESPACE": f"raydeck-bench-{uuid.uuid4().hex[:6]}",
+            "RAYDECK_DATA_DIR": str(root / "data"),
             "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "0",
             "RAYDECK_TRACKING_CAPTURE_LOGS": "false",
             "RAY_AUTH_MODE": "disabled",
+            "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
         })
+        import ray
+
+        from raydeck.cluster import connect, job_runtime_env
+        from raydeck.config import load_settings
+
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env=job_runtime_env(load_settings()))
+        connect()
+        postgres: PostgresServer | None = None
         try:
-            import ray
-            from mlflow.tracking import MlflowClient
-
-            from raydeck.cluster import connect
-
-            client = MlflowClient(server.uri)
-            experiment = client.create_experiment("bench-baselines")
-            run_id = client.create_run(experiment).info.run_id
-            rest = rest_per_point(server.uri, run_id)
-            ceiling = log_batch_ceiling(server.uri, run_id)
-            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                     runtime_env={"env_vars": {k: v for k, v in os.environ.items()
-                                               if k.startswith("RAYDECK_")}})
-            connect()
-            raydeck_end_to_end(1, 1000)  # warm-up: the proxy's actors start once
-            results = {w: raydeck_end_to_end(w, args.points_per_worker) for w in (2, 4)}
-            log_us, actor_us = call_costs()
+            if args.backend in ("sqlite", "both"):
+                server = MlflowServer(root / "mlflow-sqlite").start()
+                try:
+                    rows += bench_backend("sqlite, 1 worker", server, root / "sqlite",
+                                          args.points_per_worker)
+                finally:
+                    server.stop()
+            if args.backend in ("postgres", "both"):
+                postgres = PostgresServer(root / "postgres").start()
+                url = postgres.create_database("mlflow")
+                server = MlflowServer(root / "mlflow-pg", backend_store_uri=url, workers=4).start()
+                try:
+                    rows += bench_backend("postgres, 4 workers", server, root / "pg",
+                                          args.points_per_worker)
+                finally:
+                    server.stop()
+            cost_server = MlflowServer(root / "mlflow-cost").start()
+            try:
+                base = load_settings()
+                settings = dataclasses.replace(
+                    base, ray_namespace=f"raydeck-cost-{uuid.uuid4().hex[:6]}",
+                    tracking=dataclasses.replace(base.tracking, uri=cost_server.uri,
+                                                 artifact_location=""))
+                log_us, actor_us = call_costs(settings)
+            finally:
+                cost_server.stop()
         finally:
             ray.shutdown()
-            server.stop()
+            if postgres is not None:
+                postgres.stop()
 
-    rows = [
-        ("(a) REST POST per point", f"{rest:,.0f} points/s", ""),
-        ("(b) log_batch x1000, direct (ceiling)", f"{ceiling:,.0f} points/s",
-         f"{ceiling / rest:.0f}x (a)"),
-    ]
-    for workers, (rate, worker_us) in results.items():
-        rows.append((f"(c) raydeck, {workers} Ray workers", f"{rate:,.0f} points/s",
-                     f"{rate / ceiling:.0%} of (b), {rate / rest:.0f}x (a); "
-                     f"{worker_us:.1f} us/call in workers"))
-    rows.append(("(d) log_metrics, 1 value, caller side", f"{log_us:.2f} us/call",
+    rows.append(("(e) log_metrics, 1 value, caller side", f"{log_us:.2f} us/call",
                  f"{actor_us / log_us:.0f}x cheaper than an actor call"))
-    rows.append(("(d) fire-and-forget actor call", f"{actor_us:.1f} us/call", ""))
+    rows.append(("(e) fire-and-forget actor call", f"{actor_us:.1f} us/call", ""))
     width = max(len(r[0]) for r in rows)
     print(f"\n{'measure':<{width}}  {'result':>18}  ratio")
     for name, value, ratio in rows:

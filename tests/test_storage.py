@@ -155,7 +155,7 @@ def test_storage_problems_are_one_clear_line_and_exit_2(
 @pytest.mark.timeout(60)
 def test_training_refuses_to_start_when_a_bucket_is_missing(s3_server: S3Server) -> None:
     from raydeck.errors import StorageError
-    from raydeck.tracking.client import NoOpTracker
+    from raydeck.tracking import NoOpTracker
     from raydeck.training import fit
 
     names = _names("fit")

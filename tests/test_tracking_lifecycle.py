@@ -49,7 +49,8 @@ def test_two_processes_with_one_run_id_share_a_run_and_only_the_primary_ends_it(
     tracker.finish()
     """, env)
     second_id, resumed, primary = read_line_with(second, "RUN ").split()
-    assert second.wait(120) == 0
+    _, errors = second.communicate(timeout=120)
+    assert second.returncode == 0, errors[-3000:]
     assert (second_id, resumed, primary) == (run_id, "True", "False")
     assert mlflow_client.get_run(run_id).info.status == "RUNNING"
 
@@ -173,7 +174,7 @@ def test_a_job_restarted_from_an_older_checkpoint_logs_each_step_once(ray_cluste
     with raydeck.get_tracker(run_name="restarted") as tracker:
         for epoch in range(3):
             tracker.log_metrics({"loss": 1.0 / (epoch + 1)}, step=epoch,
-                                timestamp_ms=logged_at + epoch)
+                                timestamp=logged_at + epoch)
         # The restarted job restored epoch 1's checkpoint, which stored epoch 1's point (epoch 2
         # was logged but its checkpoint lost), and trains epochs 2 and 3 again.
         mark_resumed(tracker, 1, [("loss", 0.5, logged_at + 1, 1)])

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import Any
 
 import pytest
 
-from raydeck.errors import (
-    ConfigError,
-    TrackingUnavailableError,
-    TrackingValidationError,
-)
+from raydeck.errors import ConfigError, TrackingValidationError
 
 
 @pytest.fixture
@@ -36,10 +34,8 @@ def test_one_bad_value_never_sinks_the_call(tracker: Any, mlflow_client: Any) ->
             "../escape": 1.0,
         }, step=3)
     problems = excinfo.value.problems
-    assert set(problems) == {"bad key!", "nan_loss", "inf_loss", "text", "none", "../escape"}
-    assert "letters, digits" in problems["bad key!"]
-    assert "non-finite" in problems["nan_loss"] and "RAYDECK_TRACKING_NONFINITE" in problems[
-        "nan_loss"]
+    assert set(problems) == {"bad key!", "text", "none", "../escape"}
+    assert "letters, digits" in problems["bad key!"] and "'bad key_'" in problems["bad key!"]
     assert "must be numbers, got str" in problems["text"]
     assert "normalized paths" in problems["../escape"]
 
@@ -67,6 +63,9 @@ def test_one_bad_value_never_sinks_the_call(tracker: Any, mlflow_client: Any) ->
     run = mlflow_client.get_run(tracker.run_id)
     assert run.data.metrics["good"] == 1.5
     assert run.data.metrics["also/good"] == 2.0
+    # NaN and inf are stored as MLflow stores them (NaN as NaN, inf as the largest double).
+    assert math.isnan(run.data.metrics["nan_loss"])
+    assert run.data.metrics["inf_loss"] == sys.float_info.max
     assert [m.step for m in mlflow_client.get_metric_history(tracker.run_id, "good")] == [3]
     assert run.data.params["lr"] == "0.1"
     assert "notes" not in run.data.params
@@ -94,24 +93,3 @@ def test_unknown_mlflow_run_id_is_one_clear_error(ray_cluster: None) -> None:
 
     with pytest.raises(ConfigError, match="looks like an MLflow run id, but MLflow at"):
         raydeck.get_tracker("0123456789abcdef0123456789abcdef")
-
-
-@pytest.mark.timeout(180)
-def test_unreachable_mlflow_at_startup_is_one_clear_error(ray_cluster: None) -> None:
-    import dataclasses
-
-    import raydeck
-    from raydeck.config import load_settings
-    from raydeck.tracking.proxy import stop_proxy
-    from tests.fixtures.processes import free_port
-
-    base = load_settings()
-    settings = dataclasses.replace(
-        base, ray_namespace="raydeck-unreachable",
-        tracking=dataclasses.replace(base.tracking, uri=f"http://127.0.0.1:{free_port()}"),
-    )
-    try:
-        with pytest.raises(TrackingUnavailableError, match=r"MLflow at http://127\.0\.0\.1:\d+"):
-            raydeck.get_tracker(settings=settings)
-    finally:
-        stop_proxy("raydeck-unreachable", 0)

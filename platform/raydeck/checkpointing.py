@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from raydeck.observability.metrics import training_metrics
-from raydeck.tracking.client import Tracker
+from raydeck.tracking.tracker import Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +166,7 @@ def report_epoch(
         save_started = time.perf_counter()
         if rank == 0:
             write_state(Path(tmp), model=model, optimizer=optimizer, scheduler=scheduler,
-                        epoch=epoch, step=step, run_id=tracker.parent_run_id, extra=extra)
+                        epoch=epoch, step=step, run_id=tracker.parent_run_key, extra=extra)
         report_checkpoint(tracker, Path(tmp), metrics, epoch=epoch, save_started=save_started)
 
 
@@ -205,7 +205,7 @@ def report_checkpoint(
     import ray.train
 
     rank = _rank()
-    progress = training_metrics(tracker.run_name, tracker.parent_run_id, rank)
+    progress = training_metrics(tracker.run_name, tracker.known_run_id(), rank)
     started = time.perf_counter() if save_started is None else save_started
     if points is None:
         timestamp_ms = int(time.time() * 1000)
@@ -230,7 +230,7 @@ def report_checkpoint(
         uri = checkpoint_uri(name)
         tracker.set_tags({f"{CHECKPOINT_TAG_PREFIX}latest": uri,
                           f"{CHECKPOINT_TAG_PREFIX}latest_epoch": epoch,
-                          f"{CHECKPOINT_TAG_PREFIX}epoch_{epoch}": uri})
+                          f"{CHECKPOINT_TAG_PREFIX}epoch_{epoch}": uri}, strict=False)
     return committed
 
 
@@ -258,7 +258,7 @@ def log_points(tracker: Tracker, points: list[MetricPoint]) -> None:
     for key, value, timestamp_ms, step in points:
         grouped.setdefault((int(step), int(timestamp_ms)), {})[key] = value
     for (step, timestamp_ms), values in grouped.items():
-        tracker.log_metrics(values, step=step, timestamp_ms=timestamp_ms)
+        tracker.log_metrics(values, step=step, timestamp=timestamp_ms, strict=False)
 
 
 def stored_points(directory: str | Path) -> list[MetricPoint]:
@@ -278,7 +278,7 @@ def mark_resumed(tracker: Tracker, epoch: int, points: list[MetricPoint]) -> Non
     """
     log_points(tracker, points)
     tracker.skip_logged_steps({key for key, _, _, _ in points})
-    tracker.set_tags({f"{CHECKPOINT_TAG_PREFIX}resumed_from_epoch": epoch})
+    tracker.set_tags({f"{CHECKPOINT_TAG_PREFIX}resumed_from_epoch": epoch}, strict=False)
     logger.info("resumed from epoch %d", epoch)
 
 
@@ -319,9 +319,9 @@ def restore(
         state = read_state(directory, model=model, optimizer=optimizer, scheduler=scheduler,
                            map_location=map_location)
         points = stored_points(directory)
-    if tracker.active and state.run_id and state.run_id != tracker.parent_run_id:
+    if tracker.active and state.run_id and state.run_id != tracker.parent_run_key:
         logger.warning("checkpoint was written by run %s, resuming in run %s",
-                       state.run_id, tracker.parent_run_id)
+                       state.run_id, tracker.parent_run_key)
     mark_resumed(tracker, state.epoch, points)
     return state
 

@@ -30,7 +30,7 @@ CONFIG_FILE_ENV = "RAYDECK_CONFIG"
 DEFAULT_CONFIG_FILE = "raydeck.toml"
 
 TrackingMode = Literal["rank_zero", "all_ranks", "per_rank"]
-NonFinitePolicy = Literal["error", "keep"]
+NonFinitePolicy = Literal["keep", "error"]
 
 RUN_KEY_PATTERN = re.compile(r"^[\w.\-]{1,128}$")
 _TRUE = {"1", "true", "yes", "on"}
@@ -106,32 +106,57 @@ class TrackingSettings(_Section):
     enabled: bool = setting(True, "false turns every tracker into a no-op")
     mode: str = setting("rank_zero", "rank_zero, all_ranks or per_rank")
     shards: int = setting(2, "Writer shard actors behind the router")
+    writers: int = setting(
+        4, "MLflow writer threads per shard (1 for a sqlite: URI, which takes one writer)")
     flush_interval_s: float = setting(0.2, "How often a worker's buffer is sent to its shard")
-    max_batch_points: int = setting(20000, "A worker sends early once its buffer holds this many")
+    max_batch_points: int = setting(
+        20000, "Points per batch a worker sends; it sends early once its buffer holds this many")
+    max_buffer_points: int = setting(
+        500000, "A worker's buffer limit in points; a full buffer makes log calls wait")
+    max_buffer_mb: float = setting(
+        256.0, "A worker's buffer limit in MiB (points, params, tags, console text)")
+    buffer_full_wait_s: float = setting(
+        30.0, "How long a log call waits for room in a full buffer before it drops and counts")
     spool_fsync: bool = setting(False, "fsync the spool on every batch (survives a power cut)")
     finish_timeout_s: float = setting(60.0, "finish() waits this long for data to land")
     lost_after_s: float = setting(60.0, "A process silent this long is presumed dead")
     idle_timeout_s: float = setting(900.0, "The proxy stops itself after this long with no work")
     system_metrics_interval_s: float = setting(10.0, "System metrics sampling period; 0 is off")
     capture_logs: bool = setting(True, "Upload each rank's stdout/stderr as logs/rank_<i>.txt")
-    nonfinite: str = setting("error", "NaN/inf metric values: error (reject) or keep")
-    cross_rank_mean: bool = setting(False, "all_ranks mode: also write <key>/mean per step")
+    nonfinite: str = setting(
+        "keep", "NaN/inf metric values: keep (stored as MLflow stores them) or error (reject)")
+    cross_rank_stats: bool = setting(
+        True, "all_ranks mode: also write <key>/mean, /min, /max and /straggler_rank per step")
 
     def __post_init__(self) -> None:
         if self.uri and not re.match(rf"^({'|'.join(_URI_SCHEMES)})(\+\w+)?:", self.uri):
             raise self._reject(
                 "uri", f"must be a URI with one of the schemes {', '.join(_URI_SCHEMES)}"
             )
+        if self.uri.startswith("file:"):
+            raise self._reject(
+                "uri", "MLflow's file store cannot tell a refused value from a failure and keeps "
+                "repeated points, so raydeck cannot promise exactly-once delivery to it; use a "
+                "SQL store instead, e.g. sqlite:////path/to/mlflow.db (or leave it empty for "
+                "the embedded default)"
+            )
         if self.mode not in get_args(TrackingMode):
             raise self._reject("mode", f"must be one of {', '.join(get_args(TrackingMode))}")
         if self.nonfinite not in get_args(NonFinitePolicy):
-            raise self._reject("nonfinite", "must be 'error' or 'keep'")
+            raise self._reject("nonfinite", "must be 'keep' or 'error'")
         if not self.experiment.strip():
             raise self._reject("experiment", "must not be empty")
         if self.shards < 1 or self.shards > 64:
             raise self._reject("shards", "must be between 1 and 64")
-        if self.max_batch_points < 1:
-            raise self._reject("max_batch_points", "must be >= 1")
+        for name in ("max_batch_points", "max_buffer_points", "writers"):
+            if getattr(self, name) < 1:
+                raise self._reject(name, "must be >= 1")
+        if self.max_buffer_points < self.max_batch_points:
+            raise self._reject("max_buffer_points", "must be >= max_batch_points")
+        if self.max_buffer_mb <= 0:
+            raise self._reject("max_buffer_mb", "must be > 0")
+        if self.buffer_full_wait_s < 0:
+            raise self._reject("buffer_full_wait_s", "must be >= 0 seconds")
         for name in ("flush_interval_s", "finish_timeout_s", "lost_after_s", "idle_timeout_s"):
             if getattr(self, name) <= 0:
                 raise self._reject(name, "must be > 0 seconds")

@@ -63,3 +63,7 @@ class QueryError(MonitoringError):
 
 class JobSubmissionError(RaydeckError):
     """A job cannot run on the cluster as asked (e.g. the cluster's Python lacks raydeck)."""
+
+
+class TrackingSpoolFullError(TrackingUnavailableError):
+    """The tracking proxy's spool disk is full: data waits in the logging process for room."""

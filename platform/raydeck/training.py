@@ -14,7 +14,7 @@ from typing import Any
 
 from raydeck.config import Settings
 from raydeck.scaling import DEFAULT_CHECKPOINTS_TO_KEEP, DEFAULT_MAX_FAILURES
-from raydeck.tracking.client import Tracker
+from raydeck.tracking.tracker import Tracker
 
 logger = logging.getLogger(__name__)
 

@@ -283,16 +283,16 @@ def report(
     from raydeck.tracking import get_tracker
 
     tracker = get_tracker()
-    iteration = _trial_iterations.get(tracker.run_id, 0) + 1
-    _trial_iterations[tracker.run_id] = iteration
-    tracker.log_metrics(metrics, step=iteration)
+    iteration = _trial_iterations.get(tracker.run_key, 0) + 1
+    _trial_iterations[tracker.run_key] = iteration
+    tracker.log_metrics(metrics, step=iteration, strict=False)
     tracker.flush()
     if model is None:
         tune.report(metrics)
         return iteration
     with tempfile.TemporaryDirectory(prefix="raydeck-trial-") as tmp:
         write_state(Path(tmp), model=model, optimizer=optimizer, scheduler=None,
-                    epoch=iteration, step=iteration, run_id=tracker.run_id, extra=extra)
+                    epoch=iteration, step=iteration, run_id=tracker.run_key, extra=extra)
         tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(tmp))
     return iteration
 
@@ -313,11 +313,11 @@ def restore(model: Any, optimizer: Any | None = None) -> int:
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             done = read_state(directory, model=model, optimizer=optimizer).epoch
-    _trial_iterations[get_tracker().run_id] = done
+    _trial_iterations[get_tracker().run_key] = done
     return done
 
 
-# Per child run id in this trial process: iterations reported.
+# Per child run key in this trial process: iterations reported.
 _trial_iterations: dict[str, int] = {}
 
 
@@ -347,7 +347,7 @@ def _make_trainable(job: SweepJob, config: SweepConfig, settings: Settings) -> C
             # they are reported to Tune again but not logged twice.
             tracker.skip_logged_steps(job.reports)
             tracker.set_tags({RESUMED_TAG: "true"})
-        tracker.log_params(trial_config)
+        tracker.log_params(trial_config, strict=False)
         try:
             if job.distributed:
                 _fit_distributed(job, trial_config, data, tracker, preset, settings)

@@ -60,7 +60,7 @@ def _ray_rows(address: str, namespace: str) -> tuple[list[tuple[str, str, str]],
 
 
 def _mlflow_row(uri: str) -> tuple[tuple[str, str, str], str | None]:
-    from raydeck.tracking.router import _redact
+    from raydeck.redaction import redact_text as _redact
 
     shown = _redact(uri)
     if uri.startswith("sqlite:///"):

@@ -28,8 +28,11 @@ def _router() -> tuple[Any, Settings]:
 
 @app.command("status")
 def status() -> None:
-    """Runs the proxy holds and each shard's queue, spool and errors."""
+    """Runs the proxy holds, each shard's queue and spool, and values set aside for good."""
     import ray
+
+    from raydeck.redaction import redact_text
+    from raydeck.tracking.proxy import get_shard
 
     router, settings = _router()
     if router is None:
@@ -37,23 +40,50 @@ def status() -> None:
         return
     info = ray.get(router.status.remote(), timeout=STATUS_TIMEOUT_S)
     runs = Table(title="runs")
-    for column in ("key", "MLflow run", "name", "mode", "processes", "primary", "state"):
-        runs.add_column(column)
+    runs.add_column("key", no_wrap=True)
+    runs.add_column("MLflow run", no_wrap=True, min_width=32)
+    for column in ("name", "mode", "processes", "primary", "state"):
+        runs.add_column(column, overflow="fold")
     for run in info["runs"]:
-        runs.add_row(run["key"], run["run_id"], run["name"], run["mode"],
+        runs.add_row(run["key"], run["run_id"] or "(not created yet)", run["name"], run["mode"],
                      str(run["participants"]), run["primary"], run["state"])
     shards = Table(title="shards")
     for column in ("shard", "state", "received", "written", "queued", "spool bytes",
-                   "replay backlog", "errors", "last error"):
+                   "found at start", "set aside", "errors", "last error"):
         shards.add_column(column)
+    queues = Table(title="runs with data pending or set aside")
+    queues.add_column("shard")
+    queues.add_column("run key", no_wrap=True)
+    for column in ("pending", "set aside", "state", "last error"):
+        queues.add_column(column, overflow="fold")
     for s in info["shards"]:
         shards.add_row(str(s.get("index")), str(s.get("state")),
                        str(s.get("points_received", "")), str(s.get("points_written", "")),
-                       str(s.get("queued_points", "")), str(s.get("spool_bytes", "")),
-                       str(s.get("replay_backlog", "")), str(s.get("write_errors", "")),
-                       str(s.get("last_error", ""))[:80])
+                       str(s.get("queued_entities", "")), str(s.get("spool_bytes", "")),
+                       str(s.get("replay_backlog", "")), str(s.get("dead_letters", "")),
+                       str(s.get("write_errors", "")),
+                       redact_text(str(s.get("last_error", "")))[:80])
+        for run in s.get("runs", []):
+            queues.add_row(str(s["index"]), run["key"], run["pending"] or "-",
+                           str(run["dead_letters"]), run["state"],
+                           redact_text(run["last_error"])[:80])
     console.print(runs)
     console.print(shards)
+    if queues.row_count:
+        console.print(queues)
+    letters = Table(title="set aside for good (never retried; recorded on the run as the tag "
+                    "raydeck.dead_letters and the artifact raydeck/dead_letters.json)")
+    for column in ("run key", "kind", "key", "reason", "bytes kept at"):
+        letters.add_column(column)
+    for s in info["shards"]:
+        if not s.get("dead_letters"):
+            continue
+        shard = get_shard(settings.ray_namespace, int(s["index"]))
+        for letter in ray.get(shard.dead_letters.remote(), timeout=STATUS_TIMEOUT_S):
+            letters.add_row(letter.run_key, letter.kind, letter.key,
+                            redact_text(letter.reason)[:120], letter.kept_at or "-")
+    if letters.row_count:
+        console.print(letters)
 
 
 @app.command("stop")

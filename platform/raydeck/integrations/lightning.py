@@ -239,7 +239,7 @@ class RaydeckReportCallback(pl.Callback):
             if trainer.global_rank == 0:
                 (directory / STATE_FILE).write_text(json.dumps({
                     "epoch": epoch, "global_step": int(trainer.global_step),
-                    "run_id": self.tracker.parent_run_id,
+                    "run_id": self.tracker.parent_run_key,
                 }))
             metrics = {key: _number(value) for key, value in trainer.callback_metrics.items()}
             metrics = {key: value for key, value in metrics.items()
@@ -282,8 +282,8 @@ def resume(tracker: Tracker | None = None) -> Iterator[str | None]:
         tracker = raydeck.get_tracker()
     with checkpoint.as_directory() as directory:
         state = json.loads((Path(directory) / STATE_FILE).read_text())
-        if tracker.active and state["run_id"] and state["run_id"] != tracker.parent_run_id:
+        if tracker.active and state["run_id"] and state["run_id"] != tracker.parent_run_key:
             logger.warning("checkpoint was written by run %s, resuming in run %s",
-                           state["run_id"], tracker.parent_run_id)
+                           state["run_id"], tracker.parent_run_key)
         mark_resumed(tracker, int(state["epoch"]), stored_points(directory))
         yield str(Path(directory) / LIGHTNING_CHECKPOINT_FILE)

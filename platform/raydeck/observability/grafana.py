@@ -158,7 +158,7 @@ class _GrafanaCalls:
     """Runs grafana-client calls, turning its exceptions into one clear MonitoringError."""
 
     def __init__(self, url: str) -> None:
-        from raydeck.tracking.router import _redact
+        from raydeck.redaction import redact_text as _redact
 
         self.url = _redact(url)
 

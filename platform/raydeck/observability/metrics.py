@@ -130,10 +130,11 @@ TRACKING_POINTS_WRITTEN = MetricSpec(
     "raydeck_tracking_points_written", "counter", "Entities a shard wrote to MLflow", ("shard",))
 TRACKING_WRITE_ERRORS = MetricSpec(
     "raydeck_tracking_write_errors", "counter",
-    "Failed MLflow writes: kind=transient (retried) or rejected (refused values)",
+    "Failed MLflow writes: kind=transient (retried) or rejected (refused for good, set aside)",
     ("shard", "kind"))
 TRACKING_WRITE_LATENCY = MetricSpec(
-    "raydeck_tracking_write_latency_s", "histogram", "Seconds per shard write cycle",
+    "raydeck_tracking_write_latency_s", "histogram",
+    "Seconds per MLflow call of a shard (a chunk of values, a file, a run update)",
     ("shard",), WRITE_LATENCY_BUCKETS_S)
 TRACKING_QUEUE_DEPTH = MetricSpec(
     "raydeck_tracking_queue_depth", "gauge", "Entities accepted but not yet written",
@@ -142,7 +143,8 @@ TRACKING_SPOOL_BYTES = MetricSpec(
     "raydeck_tracking_spool_bytes", "gauge", "Bytes in the shard's spool directory", ("shard",))
 TRACKING_REPLAY_BACKLOG = MetricSpec(
     "raydeck_tracking_replay_backlog", "gauge",
-    "Spooled batches replayed after a shard restart and not yet written", ("shard",))
+    "Entities a shard found in its spool at start (after a restart) and has not yet written",
+    ("shard",))
 TRACKING_ACTIVE_RUNS = MetricSpec(
     "raydeck_tracking_active_runs", "gauge", "Runs the tracking router holds open")
 

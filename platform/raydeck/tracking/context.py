@@ -44,7 +44,9 @@ def detect_process() -> ProcessInfo:
     job_id = runtime.get_job_id()
     node_ip = ray.util.get_node_ip_address()
     pid = os.getpid()
-    common = {"job_id": job_id, "node_ip": node_ip, "hostname": socket.gethostname(), "pid": pid}
+    actor_id = runtime.get_actor_id() if runtime.worker.mode == ray.WORKER_MODE else None
+    common = {"job_id": job_id, "node_ip": node_ip, "hostname": socket.gethostname(), "pid": pid,
+              "actor_id": actor_id}
 
     train = _train_context()
     if train is not None:

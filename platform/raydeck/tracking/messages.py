@@ -3,6 +3,11 @@
 Plain dataclasses, pickled by Ray. Kept in one module so the three sides cannot drift apart.
 A metric point is the tuple ``(key, value, timestamp_ms, step)``: tuples pickle several times
 faster than objects, and points are the bulk of every batch.
+
+Everything a shard writes is addressed by raydeck's *run key* (a shared ``RAYDECK_RUN_ID``, a
+generated ``run-<hex>``, ``<key>.rank_<i>`` for a per-rank child), never by MLflow's run id: the
+shard creates or finds the MLflow run itself, when MLflow answers, so attaching and logging work
+while MLflow is down (:class:`OpenRun`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ class ProcessInfo:
 
     ``role_key`` is stable across restarts of the same logical process (rank 1 of Train run X in
     job J), so a restarted worker replaces its dead predecessor instead of joining beside it.
+    ``actor_id`` (Ray actors: Train workers, Tune trials) lets the router ask Ray whether the
+    process still lives instead of guessing from silence.
     """
 
     role: str
@@ -32,6 +39,7 @@ class ProcessInfo:
     world_size: int | None = None
     train_run_name: str | None = None
     trial_id: str | None = None
+    actor_id: str | None = None
 
     @property
     def is_primary_candidate(self) -> bool:
@@ -55,17 +63,37 @@ class AttachRequest:
 
 
 @dataclass(frozen=True)
+class OpenRun:
+    """Create the MLflow run for ``key``, or find and reopen it (tag ``raydeck.run_key``).
+
+    Idempotent, so the router may send it again after a restart. A shard handles it before any
+    other data of the run, retrying while MLflow is down; ``parent_key`` is resolved to the
+    parent's MLflow run id at that moment (``mlflow.parentRunId``).
+    """
+
+    key: str
+    name: str
+    experiment: str
+    artifact_location: str
+    mode: str
+    tags: dict[str, str] = field(default_factory=dict)
+    parent_key: str | None = None
+
+
+@dataclass(frozen=True)
 class RunBinding:
     """The router's answer: where this tracker's values go and what role it plays.
 
-    ``run_id`` receives this tracker's metrics, tags and artifacts (a per-rank child in
-    ``per_rank`` mode); ``params_run_id`` receives params and console logs (the run itself).
+    ``run_key`` receives this tracker's metrics, tags and artifacts (a per-rank child's key in
+    ``per_rank`` mode); ``params_run_key`` receives params and console logs (the run itself).
+    ``run_id`` is MLflow's id when the run already exists there, else empty until the shard
+    created it (ask the shard: ``resolve``).
     """
 
     run_key: str
+    params_run_key: str
     run_id: str
-    params_run_id: str
-    experiment_id: str
+    experiment: str
     run_name: str
     mode: str
     shard_index: int
@@ -77,30 +105,64 @@ class RunBinding:
     existing_params: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class FileRef:
+    """An artifact file already streamed into a shard's spool (``upload_id``).
+
+    ``artifact_dir`` is the directory under the run's artifact root ("" for the root) and
+    ``name`` the file's name there: one path component, never ``.``, ``..`` or holding ``/``.
+    """
+
+    upload_id: str
+    artifact_dir: str
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class DatasetRef:
+    """A dataset input, as MLflow's ``log_inputs`` records it (name, digest, source, schema)."""
+
+    name: str
+    digest: str
+    source_type: str
+    source: str
+    schema: str = ""
+    profile: str = ""
+    context: str = ""
+    tags: dict[str, str] = field(default_factory=dict)
+
+
 @dataclass
 class Batch:
-    """One flush of one tracker. ``(client_id, seq)`` makes re-delivery idempotent."""
+    """One flush of one tracker. ``(client_id, seq)`` makes re-delivery idempotent.
+
+    ``points``, ``tags``, ``files`` and ``inputs`` go to ``run_key``; ``params`` and ``logs`` to
+    ``params_run_key``. ``rank_of`` is ``(rank, world_size)`` in ``all_ranks`` mode, so the shard
+    can derive the cross-rank views of ``points`` keyed ``<key>/rank_<rank>``.
+    """
 
     client_id: str
     seq: int
-    run_id: str
-    params_run_id: str
+    run_key: str
+    params_run_key: str
     points: list[Point] = field(default_factory=list)
     params: dict[str, str] = field(default_factory=dict)
     tags: dict[str, str] = field(default_factory=dict)
-    # (path under the run's artifact root, bytes) for every file of every logged artifact.
-    files: list[tuple[str, bytes]] = field(default_factory=list)
-    # (log file name, text) console output to append to logs/<name> in params_run_id.
+    files: list[FileRef] = field(default_factory=list)
+    inputs: list[DatasetRef] = field(default_factory=list)
+    # (log file name, text) console output for logs/<name>/ of params_run_key.
     logs: list[tuple[str, str]] = field(default_factory=list)
-    # all_ranks mode with cross-rank mean: (rank, world_size) of the sender.
-    mean_of: tuple[int, int] | None = None
+    rank_of: tuple[int, int] | None = None
 
     def is_empty(self) -> bool:
-        return not (self.points or self.params or self.tags or self.files or self.logs)
+        return not (self.points or self.params or self.tags or self.files or self.inputs
+                    or self.logs)
 
     def size(self) -> int:
         """Entities in the batch, the unit the proxy's metrics count."""
-        return len(self.points) + len(self.params) + len(self.tags) + len(self.files)
+        return (len(self.points) + len(self.params) + len(self.tags) + len(self.files)
+                + len(self.inputs))
 
 
 @dataclass(frozen=True)
@@ -112,11 +174,13 @@ class Pending:
     tags: int = 0
     files: int = 0
     log_bytes: int = 0
+    other: int = 0
     last_error: str = ""
 
     @property
     def empty(self) -> bool:
-        return not (self.points or self.params or self.tags or self.files or self.log_bytes)
+        return not (self.points or self.params or self.tags or self.files or self.log_bytes
+                    or self.other)
 
     def describe(self) -> str:
         parts = [
@@ -127,6 +191,7 @@ class Pending:
                 (self.tags, "tags"),
                 (self.files, "artifact files"),
                 (self.log_bytes, "bytes of console log"),
+                (self.other, "run updates"),
             )
             if n
         ]
@@ -135,9 +200,23 @@ class Pending:
 
 
 @dataclass(frozen=True)
+class DeadLetter:
+    """One entity MLflow or the artifact store refused for good, set aside with the reason."""
+
+    run_key: str
+    kind: str
+    key: str
+    reason: str
+    kept_at: str = ""
+
+
+@dataclass(frozen=True)
 class LandedReport:
-    """A shard's answer to "has this run's data been written?"."""
+    """A shard's answer to "has this run's data been written?".
+
+    ``dead_letters`` are the entities refused for good (never retried; the rest landed).
+    """
 
     landed: bool
     pending: Pending
-    rejected: tuple[str, ...] = ()
+    dead_letters: tuple[DeadLetter, ...] = ()

@@ -57,10 +57,12 @@ class ShardMetrics:
             self.received.inc(n, self._tags)
             self._move_depth(n)
 
-    def count_written(self, n: int, seconds: float) -> None:
+    def count_written(self, n: int) -> None:
         if n:
             self.written.inc(n, self._tags)
             self._move_depth(-n)
+
+    def observe_write(self, seconds: float) -> None:
         self.latency.observe(seconds, self._tags)
 
     def count_error(self, kind: str, n: int = 1) -> None:

@@ -2,7 +2,8 @@
 
 - ``rank_zero``: only rank 0 (and the driver) write; other ranks get a no-op tracker.
 - ``all_ranks``: one MLflow run; rank ``i`` writes ``<key>/rank_<i>`` so ranks stay apart, and
-  with ``cross_rank_mean`` the shard also writes ``<key>/mean`` once every rank reported a step.
+  (``RAYDECK_TRACKING_CROSS_RANK_STATS``, on by default) the shard also writes ``<key>/mean``,
+  ``/min``, ``/max`` and ``/straggler_rank`` once every rank reported a step.
 - ``per_rank``: one child run per rank under the run (``mlflow.parentRunId``), tagged with rank,
   node and role, like W&B's ``group``/``job_type``; params and console logs go to the parent.
 

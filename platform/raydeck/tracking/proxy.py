@@ -3,7 +3,9 @@
 The proxy is one router and ``RAYDECK_TRACKING_SHARDS`` shards, named detached actors in
 raydeck's Ray namespace, created race-free (``get_if_exists``) by whichever process needs them
 first and restarted by Ray if they die. They run on the head node, where their spool survives a
-restart, and take no CPU.
+restart, and take no CPU. Each has two concurrency groups (``io`` for calls that never wait,
+``wait`` for calls that block until something happened), so a tracker waiting in ``finish()``
+never holds the thread another tracker's ``ingest`` or heartbeat needs.
 
 Life: they run while any run is active or any data is pending; after
 ``RAYDECK_TRACKING_IDLE_TIMEOUT_S`` with neither, the router stops the shards and itself (the next
@@ -22,7 +24,14 @@ import ray
 from raydeck.config import Settings
 from raydeck.errors import TrackingUnavailableError
 from raydeck.tracking.messages import AttachRequest, RunBinding
-from raydeck.tracking.router import REAP_INTERVAL_S, ProxyConfig, RouterCore
+from raydeck.tracking.router import (
+    REAP_INTERVAL_S,
+    Control,
+    MlflowLookup,
+    ProxyConfig,
+    RouterCore,
+    ray_liveness,
+)
 from raydeck.tracking.shard import Shard, ShardConfig
 
 logger = logging.getLogger(__name__)
@@ -30,16 +39,23 @@ logger = logging.getLogger(__name__)
 ROUTER_NAME = "raydeck-router"
 SHARD_NAME_PREFIX = "raydeck-shard-"
 STATS_TIMEOUT_S = 10.0
+CONTROL_TIMEOUT_S = 10.0
+RESOLVE_AT_ATTACH_S = 3.0
+CONCURRENCY_GROUPS = {"io": 32, "wait": 64}
 ACTOR_OPTIONS: dict[str, Any] = {
     "lifetime": "detached",
     "get_if_exists": True,
     "max_restarts": -1,
     "max_task_retries": -1,
     "num_cpus": 0,
-    "max_concurrency": 64,
     # Pin to the head node: a restarted shard must find its spool on the same disk.
     "resources": {"node:__internal_head__": 0.001},
 }
+
+
+def _actor_class(cls: type) -> Any:
+    """``cls`` as a Ray actor class with raydeck's concurrency groups."""
+    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(cls)  # type: ignore[call-overload]
 
 
 def shard_name(index: int) -> str:
@@ -50,11 +66,13 @@ def proxy_config(settings: Settings) -> ProxyConfig:
     from raydeck.storage import secret_env
 
     tracking = settings.tracking
+    writers = 1 if tracking.uri.startswith("sqlite") else tracking.writers
     return ProxyConfig(
         namespace=settings.ray_namespace,
         tracking_uri=tracking.uri,
         artifact_location=tracking.artifact_location,
         shards=tracking.shards,
+        writers=writers,
         spool_dir=str(settings.data_dir / "spool"),
         fsync=tracking.spool_fsync,
         lost_after_s=tracking.lost_after_s,
@@ -64,51 +82,71 @@ def proxy_config(settings: Settings) -> ProxyConfig:
 
 
 class Router:
-    """The router actor: :class:`RouterCore` plus the shards it owns and a reaper thread."""
+    """The router actor: :class:`RouterCore` wired to its shards, MLflow and Ray's state."""
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        self.core = RouterCore(config)
-        # Create MLflow's tables before the shards start, so three processes never race to
-        # initialize a fresh database (SQLite locks for each of them in turn). Best effort: an
-        # unreachable MLflow is reported by the first attach, not by a crashing constructor.
-        try:
-            self.core.client.search_experiments(max_results=1)
-        except Exception as exc:
-            logger.warning("MLflow not reachable yet: %s", exc)
-        shard_actor: Any = ray.remote(Shard)
+        shard_actor = _actor_class(Shard)
         self.shards: list[Any] = [
             shard_actor.options(name=shard_name(i), namespace=config.namespace,
                                 **ACTOR_OPTIONS).remote(
                 ShardConfig(index=i, tracking_uri=config.tracking_uri,
                             spool_dir=f"{config.spool_dir}/shard-{i}", fsync=config.fsync,
-                            env=config.env)
+                            writers=config.writers, env=config.env)
             )
             for i in range(config.shards)
         ]
+        self.core = RouterCore(config, self._send, MlflowLookup(config.tracking_uri),
+                               ray_liveness)
+        from raydeck.tracking.metrics import RouterMetrics
+
+        self.metrics = RouterMetrics()
         threading.Thread(target=self._reap_forever, name="raydeck-router-reaper",
                          daemon=True).start()
 
-    def attach(self, request: AttachRequest) -> RunBinding:
-        return self.core.attach(request)
+    def _send(self, control: Control) -> None:
+        ray.get(self.shards[control.shard_index].control.remote(
+            control.run_key, control.kind, control.payload), timeout=CONTROL_TIMEOUT_S)
 
+    @ray.method(concurrency_group="wait")
+    def attach(self, request: AttachRequest) -> RunBinding:
+        binding = self.core.attach(request)
+        if binding.active and not binding.run_id:
+            # MLflow answering: the shard creates the run within milliseconds; answer with its
+            # id. MLflow down: answer now, the tracker learns the id later.
+            try:
+                found = ray.get(self.shards[binding.shard_index].resolve.remote(
+                    binding.run_key, RESOLVE_AT_ATTACH_S), timeout=RESOLVE_AT_ATTACH_S + 5)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                found = None
+            if found is not None:
+                from dataclasses import replace
+
+                binding = replace(binding, run_id=found.run_id, mode=found.mode,
+                                  resumed=binding.resumed or found.resumed,
+                                  existing_params={**found.params, **binding.existing_params})
+        return binding
+
+    @ray.method(concurrency_group="io")
     def heartbeat(self, client_ids: list[str]) -> list[str]:
         return self.core.heartbeat(client_ids)
 
+    @ray.method(concurrency_group="io")
     def detach(self, client_id: str, status: str) -> None:
         self.core.detach(client_id, status)
 
+    @ray.method(concurrency_group="io")
     def end_run(self, key: str, status: str, tags: dict[str, str]) -> bool:
         return self.core.end_run(key, status, tags)
 
-    def get_config(self) -> ProxyConfig:
-        return self.config
+    @ray.method(concurrency_group="io")
+    def shard_of(self, run_key: str) -> int:
+        return self.core.shard_of(run_key)
 
-    def run_id_for(self, key: str) -> str | None:
-        return self.core.run_id_for(key)
-
+    @ray.method(concurrency_group="wait")
     def status(self) -> dict[str, Any]:
-        return {"runs": self.core.status(), "shards": self._shard_stats()}
+        return {"runs": self.core.status(), "shards": self._shard_stats(),
+                "outbox": self.core.outbox_size()}
 
     def _shard_stats(self) -> list[dict[str, Any]]:
         refs = [shard.stats.remote() for shard in self.shards]
@@ -121,22 +159,21 @@ class Router:
         return stats
 
     def _drained(self) -> bool:
-        return all(
-            s.get("queued_points") == 0 and s.get("queued_batches") == 0
-            and not s.get("runs_pending")
-            for s in self._shard_stats()
-        )
+        return self.core.outbox_size() == 0 and all(
+            s.get("queued_entities") == 0 for s in self._shard_stats())
 
+    @ray.method(concurrency_group="wait")
     def shutdown(self, drain_timeout_s: float) -> bool:
         """Wait up to ``drain_timeout_s`` for the shards to write everything, then stop all.
 
         Returns whether everything was written (data not written stays in the spool and is
-        replayed by the next proxy).
+        written by the next proxy).
         """
         deadline = time.monotonic() + drain_timeout_s
         drained = self._drained()
         while not drained and time.monotonic() < deadline:
             time.sleep(0.5)
+            self.core.retry_outbox()
             drained = self._drained()
         self._stop_all()
         return drained
@@ -150,7 +187,9 @@ class Router:
         while True:
             time.sleep(REAP_INTERVAL_S)
             try:
-                if self.core.reap() and self._drained():
+                idle = self.core.reap()
+                self.metrics.set_active_runs(self.core.active_runs)
+                if idle and self._drained():
                     logger.info("tracking proxy idle for %.0f s; stopping",
                                 self.config.idle_timeout_s)
                     self._stop_all()
@@ -159,7 +198,7 @@ class Router:
                 logger.exception("router reaper failed; retrying")
 
 
-_router_actor = ray.remote(Router)
+_router_actor = _actor_class(Router)
 
 
 def get_router(settings: Settings) -> Any:

@@ -1,71 +1,91 @@
-"""The router: owns run lifecycle for every tracker in the cluster.
+"""The router: owns run membership for every tracker in the cluster.
 
 Owns: mapping run keys (a shared ``RAYDECK_RUN_ID``, a Ray Train run name, a generated key) to
-MLflow runs, creating them (and per-rank children) race-free, knowing which processes take part
-in each run and which one is primary, ending a run once its primary finished and every other
-participant left, marking it ``KILLED`` when its processes vanished, and stopping the proxy
-after a quiet period. Does not own: any metric data (the shards do).
+runs, knowing which processes take part in each run and which one is primary, deciding when a
+run ends (its primary finished and every other participant left; ``KILLED`` when its processes
+died), and stopping the proxy after a quiet period. Does not own: any MLflow write. Creating,
+reopening and ending a run are *entities* the router hands to the run's shard (:class:`OpenRun`,
+``end``), which writes them in order with the run's data, when MLflow answers. So attaching works
+while MLflow is down or slow, and no MLflow call ever runs under the router's lock (a slow server
+never delays a heartbeat).
 
 State kept here is soft: a restarted router rebuilds a run from MLflow (the ``raydeck.run_key``
-tag) the moment a tracker re-attaches, and trackers re-attach when a heartbeat is not recognised.
+tag) when a tracker re-attaches, and trackers re-attach when a heartbeat is not recognised.
 
 Rules:
 - Run key: explicit key > the Ray Train run name (when that name is bound to a run, or when the
   job has exactly one run created by its driver, which then gets bound) > a new key.
 - Primary: the first driver/rank-0/trial process attached to a run with no live primary. A
   restarted process (same ``role_key``) replaces its predecessor, primary role included.
-- End: when the primary has finished (its status is used) and no participant is left; a
-  participant silent for ``lost_after_s`` is dropped, and a lost primary means ``KILLED``.
+- End: when the primary has finished (its status is used) and no participant is left.
+- Liveness, from Ray itself: a participant is gone when its Ray job ended, or when it is an
+  actor Ray reports dead. A participant whose heartbeats stopped is asked about after two missed
+  beats; one Ray cannot vouch for (a plain task) is presumed dead after ``lost_after_s`` of
+  silence. A heartbeat delayed by a slow MLflow cannot happen: nothing here waits for MLflow.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlflow.entities import RunStatus, RunTag
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
-
 from raydeck.config import RUN_KEY_PATTERN
-from raydeck.errors import ConfigError, TrackingUnavailableError
-from raydeck.tracking.messages import AttachRequest, ProcessInfo, RunBinding
-from raydeck.tracking.metrics import RouterMetrics
+from raydeck.errors import ConfigError
+from raydeck.redaction import redact_text
+from raydeck.tracking.messages import AttachRequest, OpenRun, ProcessInfo, RunBinding
 
 logger = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 1.0
-RUN_KEY_TAG = "raydeck.run_key"
-_MLFLOW_RUN_ID = re.compile(r"^[0-9a-f]{32}$")
-# The router's own MLflow calls (create a run, end a run) may retry a little: they are rare and
-# a user is waiting on them.
+HEARTBEAT_INTERVAL_S = 5.0
+SUSPECT_AFTER_S = 2.5 * HEARTBEAT_INTERVAL_S
+LOOKUP_BACKOFF_S = 10.0
+# The router's own MLflow calls (looking a run key up when a tracker attaches) fail fast: an
+# unknown answer is fine, the shard creates or finds the run later.
 ROUTER_MLFLOW_ENV = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
+RANK_TAGS = ("raydeck.rank", "raydeck.node", "raydeck.role")
 
 
 @dataclass(frozen=True)
 class ProxyConfig:
-    """Everything the proxy actors need, fixed by the process that first creates them."""
+    """Everything the proxy actors need, fixed by the process that first creates them.
+
+    ``tracking_uri`` may hold credentials: it reaches the actors as a constructor argument,
+    never through a runtime env or a log line (``repr`` hides it).
+    """
 
     namespace: str
-    tracking_uri: str
+    tracking_uri: str = field(repr=False)
     artifact_location: str
     shards: int
+    writers: int
     spool_dir: str
     fsync: bool
     lost_after_s: float
     idle_timeout_s: float
     env: dict[str, str] = field(default_factory=dict, repr=False)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """What MLflow said about a run key: ``known`` False means MLflow did not answer."""
+
+    known: bool
+    run_id: str = ""
+    name: str = ""
+    mode: str = ""
+    params: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -78,66 +98,107 @@ class _Participant:
 @dataclass
 class _Run:
     key: str
-    run_id: str
-    experiment_id: str
     name: str
+    experiment: str
     mode: str
     created_by_role: str
     job_id: str | None
+    run_id: str = ""
+    existed: bool = False
+    params: dict[str, str] = field(default_factory=dict)
+    parent_key: str | None = None
+    needs_open: bool = True
     primary: str | None = None
     primary_status: str | None = None
     participants: dict[str, _Participant] = field(default_factory=dict)
-    children: dict[int, str] = field(default_factory=dict)
+    children: dict[int, bool] = field(default_factory=dict)  # rank -> open in MLflow
     samplers: dict[str, str] = field(default_factory=dict)
     terminated: bool = False
 
 
-class RouterCore:
-    """The router's logic, independent of Ray so it can be exercised directly."""
+@dataclass(frozen=True)
+class Control:
+    """A run update for a shard: ``open`` (an :class:`OpenRun`), ``tags`` or ``end``."""
 
-    def __init__(self, config: ProxyConfig) -> None:
-        os.environ.update(config.env)
-        os.environ.update(ROUTER_MLFLOW_ENV)
+    shard_index: int
+    run_key: str
+    kind: str
+    payload: Any
+
+
+Sender = Callable[[Control], None]
+# (every participant, those whose heartbeats stopped) -> role keys Ray says are gone.
+Liveness = Callable[[list[ProcessInfo], list[ProcessInfo]], set[str]]
+
+
+class RouterCore:
+    """The router's logic. MLflow lookups, shard calls and Ray queries are injected."""
+
+    def __init__(self, config: ProxyConfig, send: Sender, lookup: Callable[[str, str], Lookup],
+                 gone: Liveness) -> None:
         self.config = config
-        self.client = MlflowClient(tracking_uri=config.tracking_uri)
-        self.metrics = RouterMetrics()
+        self._send = send
+        self._lookup = lookup
+        self._gone = gone
         self._lock = threading.RLock()
         self._runs: dict[str, _Run] = {}
         self._aliases: dict[str, str] = {}
         self._by_client: dict[str, str] = {}
+        self._outbox: list[Control] = []
+        self._outbox_lock = threading.Lock()
         self._idle_since: float | None = time.monotonic()
+        self.active_runs = 0
 
     # --- attach ------------------------------------------------------------------------------
     def attach(self, request: AttachRequest) -> RunBinding:
-        """Bind a tracker to its run, creating the run (or its per-rank child) if needed.
+        """Bind a tracker to its run; the run is created or reopened by its shard, in order.
+
+        Never waits for MLflow longer than one fast lookup of a key this router does not know.
 
         Raises:
-            ConfigError: a driver configured for another MLflow than this proxy writes to.
-            TrackingUnavailableError: MLflow cannot be reached to create or find the run.
+            ConfigError: a driver configured for another MLflow than this proxy writes to; a run
+                key that breaks the rules.
         """
         process = request.process
-        if process.role == "driver" and request.tracking_uri != self.config.tracking_uri:
+        if process.role == "driver" and (
+            redact_text(request.tracking_uri) != redact_text(self.config.tracking_uri)
+        ):
             raise ConfigError(
                 f"the tracking proxy in Ray namespace {self.config.namespace!r} writes to "
-                f"{_redact(self.config.tracking_uri)}, but this process is configured for "
-                f"{_redact(request.tracking_uri)}; run `raydeck tracking stop` first, or set "
-                "RAYDECK_RAY_NAMESPACE to run a second proxy"
+                f"{redact_text(self.config.tracking_uri)}, but this process is configured for "
+                f"{redact_text(request.tracking_uri)}; run `raydeck tracking stop` first, or "
+                "set RAYDECK_RAY_NAMESPACE to run a second proxy"
             )
         with self._lock:
-            self._drop_gone(time.monotonic())
-            try:
-                key = self._resolve_key(request)
-                run, created = self._find_or_create(key, request)
-                if process.train_run_name and process.train_run_name != key:
-                    self._aliases[process.train_run_name] = key
-                binding = self._join(run, request, created)
-            except MlflowException as exc:
-                raise TrackingUnavailableError(
-                    f"MLflow at {_redact(self.config.tracking_uri)} refused or did not answer "
-                    f"({str(exc).splitlines()[0][:200]}); check that it is running"
-                ) from None
+            key = self._resolve_key(request)
+            run = self._runs.get(key)
+        if not RUN_KEY_PATTERN.match(key):
+            raise ConfigError(f"run id {key!r}: may hold 1-128 letters, digits, _ . - only")
+        if run is None:
+            found = self._lookup(key, request.experiment)
+            if found.known and not found.run_id and _looks_like_run_id(key):
+                raise ConfigError(
+                    f"run id {key!r} looks like an MLflow run id, but MLflow at "
+                    f"{redact_text(self.config.tracking_uri)} has no such run; pass an existing "
+                    "run id, or a name of your own (letters, digits, _ . -) to create a shared "
+                    "run")
+            with self._lock:
+                run = self._runs.get(key) or self._new_run(key, request, found)
+        with self._lock:
+            if process.train_run_name and process.train_run_name != key:
+                self._aliases[process.train_run_name] = key
+            if run.terminated:
+                run.terminated = False
+                run.needs_open = True
+                run.primary = None
+                run.primary_status = None
+            controls = self._open_controls(run)
+            binding, child_open = self._join(run, request)
+            if child_open is not None:
+                controls.append(child_open)
             self._idle_since = None
-            return binding
+        self._deliver(controls)
+        return binding
 
     def _resolve_key(self, request: AttachRequest) -> str:
         if request.run_key:
@@ -158,109 +219,43 @@ class RouterCore:
             return train_name
         return f"run-{uuid.uuid4().hex[:12]}"
 
-    def _find_or_create(self, key: str, request: AttachRequest) -> tuple[_Run, bool]:
-        run = self._runs.get(key)
-        if run is not None:
-            if run.terminated:
-                self._reopen(run)
-            return run, False
-        found = self._find_in_mlflow(key, request.experiment)
-        if found is None and _MLFLOW_RUN_ID.match(key):
-            raise ConfigError(
-                f"run id {key!r} looks like an MLflow run id, but MLflow at "
-                f"{_redact(self.config.tracking_uri)} has no such run; pass an existing run id, "
-                "or a name of your own (letters, digits, _ . -) to create a shared run"
-            )
-        if found is not None:
-            run = _Run(
-                key=key, run_id=found.info.run_id, experiment_id=found.info.experiment_id,
-                name=found.info.run_name or key,
-                mode=found.data.tags.get("raydeck.mode", request.mode),
-                created_by_role=found.data.tags.get("raydeck.created_by", ""),
-                job_id=found.data.tags.get("raydeck.ray_job_id"),
-            )
-            if found.info.status != "RUNNING":
-                self._reopen(run)
-            self._runs[key] = run
-            return run, False
-        return self._create(key, request), True
-
-    def _find_in_mlflow(self, key: str, experiment: str) -> Any:
-        if _MLFLOW_RUN_ID.match(key):
-            try:
-                return self.client.get_run(key)
-            except MlflowException as exc:
-                if exc.get_http_status_code() != 404:
-                    raise
-        exp = self.client.get_experiment_by_name(experiment)
-        if exp is None:
-            return None
-        hits = self.client.search_runs(
-            [exp.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=1
-        )
-        return hits[0] if hits else None
-
-    def _experiment_id(self, name: str) -> str:
-        exp = self.client.get_experiment_by_name(name)
-        if exp is not None:
-            return str(exp.experiment_id)
-        try:
-            return str(self.client.create_experiment(
-                name, artifact_location=self.config.artifact_location or None
-            ))
-        except MlflowException:
-            # Another router (a restart racing its predecessor) created it first.
-            exp = self.client.get_experiment_by_name(name)
-            if exp is None:
-                raise
-            return str(exp.experiment_id)
-
-    def _create(self, key: str, request: AttachRequest) -> _Run:
-        if not RUN_KEY_PATTERN.match(key):
-            raise ConfigError(f"run id {key!r}: may hold 1-128 letters, digits, _ . - only")
-        process = request.process
-        experiment_id = self._experiment_id(request.experiment)
-        tags = {
-            RUN_KEY_TAG: key,
-            "raydeck.mode": request.mode,
-            "raydeck.created_by": process.role,
-            **request.tags,
-        }
-        if process.job_id:
-            tags["raydeck.ray_job_id"] = process.job_id
-        if request.parent_key:
-            parent = self._runs.get(request.parent_key) or self._find_in_mlflow(
-                request.parent_key, request.experiment
-            )
-            if parent is None:
-                raise ConfigError(f"parent run {request.parent_key!r} does not exist")
-            tags["mlflow.parentRunId"] = (
-                parent.run_id if isinstance(parent, _Run) else parent.info.run_id
-            )
-        name = request.run_name or key
-        created = self.client.create_run(experiment_id, run_name=name, tags=tags)
+    def _new_run(self, key: str, request: AttachRequest, found: Lookup) -> _Run:
+        existed = found.known and bool(found.run_id)
         run = _Run(
-            key=key, run_id=created.info.run_id, experiment_id=experiment_id, name=name,
-            mode=request.mode, created_by_role=process.role, job_id=process.job_id,
+            key=key, name=(found.name if existed else "") or request.run_name or key,
+            experiment=request.experiment,
+            mode=(found.mode if existed else "") or request.mode,
+            created_by_role=request.process.role, job_id=request.process.job_id,
+            run_id=found.run_id, existed=existed, params=dict(found.params),
+            parent_key=request.parent_key,
         )
         self._runs[key] = run
-        logger.info("created run %s (%s) for key %s", run.run_id, name, key)
         return run
 
-    def _reopen(self, run: _Run) -> None:
-        self.client.update_run(run.run_id, status="RUNNING")
-        run.terminated = False
-        run.primary = None
-        run.primary_status = None
+    def _open_controls(self, run: _Run) -> list[Control]:
+        if not run.needs_open:
+            return []
+        run.needs_open = False
+        tags = {"raydeck.created_by": run.created_by_role}
+        if run.job_id:
+            tags["raydeck.ray_job_id"] = run.job_id
+        spec = OpenRun(key=run.key, name=run.name, experiment=run.experiment,
+                       artifact_location=self.config.artifact_location, mode=run.mode,
+                       tags=tags, parent_key=run.parent_key)
+        return [Control(self.shard_of(run.key), run.key, "open", spec)]
 
-    def _join(self, run: _Run, request: AttachRequest, created: bool) -> RunBinding:
+    def shard_of(self, root_key: str) -> int:
+        """A run, its per-rank children and all their data share one shard (order holds)."""
+        return zlib.crc32(root_key.encode()) % self.config.shards
+
+    def _join(self, run: _Run, request: AttachRequest) -> tuple[RunBinding, Control | None]:
         process = request.process
         now = time.monotonic()
         for client_id, participant in list(run.participants.items()):
             if participant.process.role_key == process.role_key and client_id != request.client_id:
                 self._drop(run, client_id, replaced=True)
         if run.mode == "rank_zero" and not process.is_primary_candidate:
-            return self._binding(run, request, created, active=False)
+            return self._binding(run, request, active=False), None
         run.participants[request.client_id] = _Participant(request.client_id, process, now)
         self._by_client[request.client_id] = run.key
         if process.is_primary_candidate and (
@@ -268,60 +263,43 @@ class RouterCore:
         ):
             run.primary = request.client_id
             run.primary_status = None
-        return self._binding(run, request, created, active=True)
+        child_open = None
+        if run.mode == "per_rank" and process.world_rank is not None:
+            rank = process.world_rank
+            if not run.children.get(rank):
+                run.children[rank] = True
+                child_key = f"{run.key}.rank_{rank}"
+                spec = OpenRun(
+                    key=child_key, name=f"{run.name}-rank{rank}", experiment=run.experiment,
+                    artifact_location=self.config.artifact_location, mode=run.mode,
+                    tags=dict(zip(RANK_TAGS, (str(rank), process.node_ip, process.role),
+                                  strict=True)),
+                    parent_key=run.key)
+                child_open = Control(self.shard_of(run.key), child_key, "open", spec)
+        return self._binding(run, request, active=True), child_open
 
-    def _binding(
-        self, run: _Run, request: AttachRequest, created: bool, active: bool
-    ) -> RunBinding:
+    def _binding(self, run: _Run, request: AttachRequest, active: bool) -> RunBinding:
         process = request.process
-        run_id = run.run_id
+        run_key = run.key
         sample_system = False
-        existing: dict[str, str] = {}
         if active:
             if run.mode == "per_rank" and process.world_rank is not None:
-                run_id = self._child(run, process)
+                run_key = f"{run.key}.rank_{process.world_rank}"
             sampler = run.samplers.get(process.node_ip)
             sample_system = sampler is None or sampler not in run.participants
             if sample_system:
                 run.samplers[process.node_ip] = request.client_id
-            if not created:
-                existing = dict(self.client.get_run(run.run_id).data.params)
         return RunBinding(
-            run_key=run.key, run_id=run_id, params_run_id=run.run_id,
-            experiment_id=run.experiment_id, run_name=run.name, mode=run.mode,
-            shard_index=zlib.crc32(run.key.encode()) % self.config.shards,
-            is_primary=run.primary == request.client_id, created=created, resumed=not created,
-            sample_system=sample_system, active=active, existing_params=existing,
+            run_key=run_key, params_run_key=run.key,
+            run_id=run.run_id if run_key == run.key else "",
+            experiment=run.experiment, run_name=run.name, mode=run.mode,
+            shard_index=self.shard_of(run.key),
+            is_primary=run.primary == request.client_id, created=not run.existed,
+            resumed=run.existed, sample_system=sample_system, active=active,
+            existing_params=dict(run.params),
         )
 
-    def _child(self, run: _Run, process: ProcessInfo) -> str:
-        rank = process.world_rank
-        assert rank is not None
-        child_key = f"{run.key}.rank_{rank}"
-        if rank not in run.children:
-            found = self._find_in_mlflow(child_key, self._experiment_name(run))
-            if found is not None:
-                run.children[rank] = found.info.run_id
-                if found.info.status != "RUNNING":
-                    self.client.update_run(found.info.run_id, status="RUNNING")
-            else:
-                child = self.client.create_run(
-                    run.experiment_id, run_name=f"{run.name}-rank{rank}",
-                    tags={
-                        RUN_KEY_TAG: child_key, "mlflow.parentRunId": run.run_id,
-                        "raydeck.rank": str(rank), "raydeck.node": process.node_ip,
-                        "raydeck.role": process.role, "raydeck.mode": run.mode,
-                    },
-                )
-                run.children[rank] = child.info.run_id
-        else:
-            self.client.update_run(run.children[rank], status="RUNNING")
-        return run.children[rank]
-
-    def _experiment_name(self, run: _Run) -> str:
-        return str(self.client.get_experiment(run.experiment_id).name)
-
-    # --- heartbeat / detach / reaping --------------------------------------------------------
+    # --- heartbeat / detach / end ------------------------------------------------------------
     def heartbeat(self, client_ids: list[str]) -> list[str]:
         """Mark clients alive; returns the ids this router does not know (they re-attach)."""
         now = time.monotonic()
@@ -337,15 +315,16 @@ class RouterCore:
         return unknown
 
     def detach(self, client_id: str, status: str) -> None:
-        """A tracker finished. The run ends only when its primary has and nobody is left."""
-        RunStatus.from_string(status)
+        """A tracker left. The run ends only when its primary has and nobody is left."""
+        _check_status(status)
         with self._lock:
             key = self._by_client.get(client_id)
             run = self._runs.get(key) if key else None
             if run is None or client_id not in run.participants:
                 return
-            self._drop(run, client_id, status=status)
-            self._maybe_end(run)
+            controls = self._drop(run, client_id, status=status)
+            controls += self._maybe_end(run)
+        self._deliver(controls)
 
     def end_run(self, key: str, status: str, tags: dict[str, str]) -> bool:
         """End a run for a supervisor that knows better than its processes (Tune's scheduler).
@@ -353,78 +332,111 @@ class RouterCore:
         Sets ``tags``, releases every participant and ends the run with ``status``. Returns
         False if the router does not know the run.
         """
-        RunStatus.from_string(status)
+        _check_status(status)
         with self._lock:
             run = self._runs.get(key)
             if run is None:
                 return False
-            self.client.log_batch(run.run_id, tags=[RunTag(k, v) for k, v in tags.items()],
-                                  synchronous=True)
+            controls = [Control(self.shard_of(run.key), run.key, "tags", dict(tags))]
             for client_id in list(run.participants):
-                self._drop(run, client_id, status=status)
+                controls += self._drop(run, client_id, status=status)
             run.primary_status = status
-            self._maybe_end(run)
-            return True
+            controls += self._maybe_end(run)
+        self._deliver(controls)
+        return True
 
     def _drop(self, run: _Run, client_id: str, status: str = "KILLED",
-              replaced: bool = False) -> None:
+              replaced: bool = False) -> list[Control]:
         participant = run.participants.pop(client_id)
         self._by_client.pop(client_id, None)
+        controls = []
         rank = participant.process.world_rank
-        if run.mode == "per_rank" and rank in run.children and not replaced:
-            self._end_quietly(run.children[rank], status)
+        if run.mode == "per_rank" and rank is not None and run.children.get(rank) and not replaced:
+            run.children[rank] = False
+            controls.append(Control(self.shard_of(run.key), f"{run.key}.rank_{rank}", "end",
+                                    status))
         if run.primary == client_id:
             run.primary = None
             if not replaced:
                 run.primary_status = status
+        return controls
 
-    def _maybe_end(self, run: _Run) -> None:
+    def _maybe_end(self, run: _Run) -> list[Control]:
         if run.terminated or run.primary_status is None or run.participants:
-            return
-        if self._end_quietly(run.run_id, run.primary_status):
-            run.terminated = True
-            logger.info("run %s ended as %s", run.run_id, run.primary_status)
+            return []
+        run.terminated = True
+        logger.info("run %s ends as %s", run.key, run.primary_status)
+        return [Control(self.shard_of(run.key), run.key, "end", run.primary_status)]
 
-    def _end_quietly(self, run_id: str, status: str) -> bool:
-        try:
-            self.client.set_terminated(run_id, status=status, end_time=int(time.time() * 1000))
-            return True
-        except MlflowException as exc:
-            logger.warning("could not end run %s yet (%s); will retry", run_id, exc)
-            return False
+    # --- delivery to shards (never under the lock) ----------------------------------------------
+    def _deliver(self, controls: list[Control]) -> None:
+        """Send run updates to their shards; what cannot be sent now waits in the outbox.
 
-    def _drop_gone(self, now: float) -> None:
-        """Drop participants whose Ray job ended or that went silent. Caller holds the lock.
-
-        A dead job is known to Ray's control store within a second of its driver exiting, so
-        a killed driver's run ends right away; silence (``lost_after_s``) catches the rest: a
-        worker SIGKILLed inside a living job, a partitioned node.
+        Updates of one run keep their order: while any wait, later ones queue behind them.
         """
-        dead_jobs = _dead_job_ids()
-        for run in list(self._runs.values()):
-            for client_id, participant in list(run.participants.items()):
-                job_gone = participant.process.job_id in dead_jobs
-                silent = now - participant.last_seen > self.config.lost_after_s
-                if job_gone or silent:
-                    logger.warning("run %s: %s (%s) %s; presumed dead", run.run_id,
-                                   participant.process.role_key, client_id,
-                                   "ended with its Ray job" if job_gone else "went silent")
-                    self._drop(run, client_id, status="KILLED")
-            self._maybe_end(run)
+        with self._outbox_lock:
+            waiting = {c.run_key for c in self._outbox}
+            for control in controls:
+                if control.run_key in waiting:
+                    self._outbox.append(control)
+                    continue
+                try:
+                    self._send(control)
+                except Exception as exc:
+                    logger.warning("shard %d unreachable (%s); run %s's %s waits in the outbox",
+                                   control.shard_index, type(exc).__name__, control.run_key,
+                                   control.kind)
+                    self._outbox.append(control)
+                    waiting.add(control.run_key)
 
+    def retry_outbox(self) -> None:
+        with self._outbox_lock:
+            pending, self._outbox = self._outbox, []
+            failed_runs: set[str] = set()
+            for control in pending:
+                if control.run_key in failed_runs:
+                    self._outbox.append(control)
+                    continue
+                try:
+                    self._send(control)
+                except Exception:
+                    self._outbox.append(control)
+                    failed_runs.add(control.run_key)
+
+    # --- liveness ----------------------------------------------------------------------------
     def reap(self) -> bool:
-        """Drop gone participants, end finished runs; True when the proxy should stop."""
+        """Drop participants Ray says are gone; True when the proxy may stop (idle long enough)."""
         now = time.monotonic()
         with self._lock:
-            self._drop_gone(now)
+            everyone = [p for run in self._runs.values() for p in run.participants.values()]
+        suspects = [p.process for p in everyone if now - p.last_seen > SUSPECT_AFTER_S]
+        gone = self._gone([p.process for p in everyone], suspects) if everyone else set()
+        controls: list[Control] = []
+        with self._lock:
+            for run in list(self._runs.values()):
+                for client_id, participant in list(run.participants.items()):
+                    silent_s = now - participant.last_seen
+                    dead = participant.process.role_key in gone
+                    lost = (silent_s > self.config.lost_after_s
+                            and participant.process.actor_id is None
+                            and participant.process.role != "driver")
+                    if dead or lost:
+                        logger.warning("run %s: %s (%s) %s; presumed dead", run.key,
+                                       participant.process.role_key, client_id,
+                                       "is gone (Ray)" if dead else "went silent")
+                        controls += self._drop(run, client_id, status="KILLED")
+                controls += self._maybe_end(run)
             active = sum(1 for run in self._runs.values() if not run.terminated)
-            self.metrics.set_active_runs(active)
+            self.active_runs = active
             if active:
                 self._idle_since = None
-                return False
-            if self._idle_since is None:
+            elif self._idle_since is None:
                 self._idle_since = now
-            return now - self._idle_since > self.config.idle_timeout_s
+            idle = self._idle_since is not None and now - self._idle_since > (
+                self.config.idle_timeout_s)
+        self._deliver(controls)
+        self.retry_outbox()
+        return idle and not self._outbox
 
     def status(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -439,22 +451,75 @@ class RouterCore:
                 for run in self._runs.values()
             ]
 
-    def run_id_for(self, key: str) -> str | None:
-        with self._lock:
-            run = self._runs.get(self._aliases.get(key, key))
-            return run.run_id if run else None
+    def outbox_size(self) -> int:
+        with self._outbox_lock:
+            return len(self._outbox)
 
 
-def _dead_job_ids() -> set[str]:
-    """Ray jobs that have ended, from Ray's control store; empty if it cannot be asked."""
+def _check_status(status: str) -> None:
+    if status not in ("FINISHED", "FAILED", "KILLED"):
+        raise ConfigError(f"status={status!r}: must be FINISHED, FAILED or KILLED")
+
+
+class MlflowLookup:
+    """Finds run keys in MLflow for the router: fast, and silent while MLflow is down."""
+
+    def __init__(self, tracking_uri: str) -> None:
+        from raydeck.tracking.writer import MlflowWriter
+
+        os.environ.update(ROUTER_MLFLOW_ENV)
+        self._writer = MlflowWriter(tracking_uri)
+        os.environ.update(ROUTER_MLFLOW_ENV)  # the writer sets its own; the router's win here
+        self._failed_at = 0.0
+
+    def __call__(self, key: str, experiment: str) -> Lookup:
+        from raydeck.tracking.writer import PermanentWriteError, TransientWriteError
+
+        if time.monotonic() - self._failed_at < LOOKUP_BACKOFF_S:
+            return Lookup(known=False)
+        try:
+            exp = self._writer.client.get_experiment_by_name(experiment)
+            ids = [exp.experiment_id] if exp is not None else []
+            found = self._writer.find_run(key, ids) if ids or _looks_like_run_id(key) else None
+        except (TransientWriteError, PermanentWriteError, Exception) as exc:
+            self._failed_at = time.monotonic()
+            logger.warning("MLflow did not answer a run lookup (%s); the run is bound now and "
+                           "created or found when MLflow answers", redact_text(str(exc))[:200])
+            return Lookup(known=False)
+        if found is None:
+            return Lookup(known=True)
+        return Lookup(known=True, run_id=found.info.run_id, name=found.info.run_name or "",
+                      mode=found.data.tags.get("raydeck.mode", ""),
+                      params=dict(found.data.params))
+
+
+def _looks_like_run_id(key: str) -> bool:
+    return len(key) == 32 and all(c in "0123456789abcdef" for c in key)
+
+
+def ray_liveness(processes: list[ProcessInfo], suspects: list[ProcessInfo]) -> set[str]:
+    """Which participants Ray says are gone: their job ended, or (suspects) their actor died.
+
+    Asking Ray (its control store) instead of trusting silence alone means a process that is
+    alive but slow to beat is never dropped, and a killed actor is dropped within seconds.
+    """
+    import ray._private.state as ray_state
+
+    result: set[str] = set()
     try:
-        import ray._private.state as ray_state
-
-        return {job["JobID"] for job in ray_state.jobs() if job.get("IsDead")}
+        dead_jobs = {job["JobID"] for job in ray_state.jobs() if job.get("IsDead")}
     except Exception:
-        return set()
-
-
-def _redact(uri: str) -> str:
-    """A URI without its password, for messages."""
-    return re.sub(r"//([^:/@]+):[^@/]+@", r"//\1:***@", uri)
+        dead_jobs = set()
+    for process in processes:
+        if process.job_id in dead_jobs:
+            result.add(process.role_key)
+    for process in suspects:
+        if process.actor_id is None or process.role_key in result:
+            continue
+        try:
+            info = ray_state.state.actor_table(process.actor_id)
+        except Exception:
+            continue
+        if info and info.get("State") == "DEAD":
+            result.add(process.role_key)
+    return result

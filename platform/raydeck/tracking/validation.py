@@ -1,14 +1,19 @@
-"""Rules for what a tracker accepts, checked at the call site.
+"""Rules for what a tracker accepts, checked at the call site, and how lenient paths repair.
 
 MLflow checks the same rules on the server, but by then the value is far from the line that
 logged it, and one bad value would fail the whole ``log_batch``. So each rule runs here, in the
 caller's thread, returns the broken rule as text, and the caller keeps every good value.
 Limits come from MLflow itself so they track the installed version.
 
-NaN and infinity: by default (``RAYDECK_TRACKING_NONFINITE=error``) a non-finite metric value is
-rejected with an error naming the key, because a diverged loss is something the job should see,
-not a silent gap. With ``keep`` they are stored as MLflow stores them (NaN as NaN, +-inf as the
-largest double).
+Two ways to apply them. A direct ``tracker.log_*`` call is *strict*: a bad key or value raises
+:class:`~raydeck.errors.TrackingValidationError` naming the key and the fix (a programmer error,
+best seen at once). raydeck's own paths (``report_epoch``, ``restore``, the Lightning logger,
+Tune reports) are *lenient* (``strict=False``): they repair what MLflow would refuse with
+:func:`sanitize_key` and :func:`truncate_param`, drop what cannot be repaired, warn once per key
+and count it, because training must never die for tracking.
+
+NaN and infinity: by default (``RAYDECK_TRACKING_NONFINITE=keep``) they are stored as MLflow
+stores them (NaN as NaN, +-inf as the largest double); with ``error`` a strict call rejects them.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from mlflow.utils.validation import (
 )
 
 _KEY_CHARS = re.compile(r"^[/\w.\- :]+$")
+_BAD_KEY_CHAR = re.compile(r"[^/\w.\- :]")
 KEY_RULE = "keys may only hold letters, digits, _ - . : / and spaces"
 
 
@@ -38,11 +44,19 @@ def key_problem(key: Any) -> str | None:
     if len(key) > MAX_ENTITY_KEY_LENGTH:
         return f"keys may be at most {MAX_ENTITY_KEY_LENGTH} characters (got {len(key)})"
     if not _KEY_CHARS.match(key):
-        return KEY_RULE
+        return f"{KEY_RULE} (e.g. {sanitize_key(key)!r})"
     normalized = posixpath.normpath(key)
     if normalized != key or normalized.startswith(("..", "/")):
         return "keys must be normalized paths: no leading '/', no '..', '//' or trailing '/'"
     return None
+
+
+def sanitize_key(key: Any) -> str:
+    """An MLflow-legal key close to ``key``: other characters become ``_``, the path is
+    normalized (no empty, ``.`` or ``..`` parts) and cut to MLflow's length limit."""
+    text = _BAD_KEY_CHAR.sub("_", str(key))
+    parts = [part for part in text.split("/") if part not in ("", ".", "..")]
+    return ("/".join(parts) or "_")[:MAX_ENTITY_KEY_LENGTH]
 
 
 def metric_value(value: Any, keep_nonfinite: bool) -> tuple[float, str | None]:
@@ -64,8 +78,8 @@ def metric_value(value: Any, keep_nonfinite: bool) -> tuple[float, str | None]:
         return 0.0, f"metric values must be numbers, got {kind.__name__}"
     if not keep_nonfinite and not math.isfinite(number):
         return 0.0, (
-            f"metric value is {number} (non-finite); fix the computation, or set "
-            "RAYDECK_TRACKING_NONFINITE=keep to store it"
+            f"metric value is {number} (non-finite) and RAYDECK_TRACKING_NONFINITE=error; fix "
+            "the computation, or unset it to store NaN/inf as MLflow does"
         )
     return number, None
 
@@ -90,6 +104,12 @@ def param_value(value: Any) -> tuple[str, str | None]:
     return text, None
 
 
+def truncate_param(value: Any) -> str:
+    """``value`` as param text cut to MLflow's limit (what lenient paths store)."""
+    text = value if isinstance(value, str) else str(value)
+    return text[:MAX_PARAM_VAL_LENGTH]
+
+
 def tag_value(value: Any) -> tuple[str, str | None]:
     """``value`` as a tag string, or the rule it breaks. Only scalars are tags."""
     if isinstance(value, str):
@@ -106,9 +126,25 @@ def tag_value(value: Any) -> tuple[str, str | None]:
     return text, None
 
 
-def artifact_path_problem(path: str | None) -> str | None:
-    """The rule an artifact sub-path breaks, or None."""
+def artifact_dir_problem(path: str | None) -> str | None:
+    """The rule an artifact directory (relative to the run's artifact root) breaks, or None."""
     if path is None or path == "":
         return None
-    problem = key_problem(path)
-    return problem and f"artifact_path: {problem}"
+    if not isinstance(path, str):
+        return f"artifact_path must be str, got {type(path).__name__}"
+    if "\\" in path or "\0" in path:
+        return "artifact_path must use '/' and hold no NUL or backslash"
+    normalized = posixpath.normpath(path)
+    if path.startswith("/") or normalized == ".." or normalized.startswith("../"):
+        return f"artifact_path {path!r} must be relative to the run's artifact root, without '..'"
+    return None
+
+
+def artifact_file_problem(artifact_file: str) -> str | None:
+    """The rule a run-relative artifact file path (``dir/name.ext``) breaks, or None."""
+    if not isinstance(artifact_file, str) or not artifact_file.strip("/"):
+        return "artifact_file must be a non-empty relative path like 'dir/name.json'"
+    directory, name = posixpath.split(posixpath.normpath(artifact_file))
+    if name in ("", ".", ".."):
+        return f"artifact_file {artifact_file!r} must end with a file name"
+    return artifact_dir_problem(artifact_file) or artifact_dir_problem(directory)

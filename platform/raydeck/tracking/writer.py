@@ -1,58 +1,160 @@
-"""Writing one shard's data to MLflow: chunking to MLflow's limits, isolating bad values.
+"""Writing to MLflow and its artifact store, and telling a passing failure from a refusal.
 
-Owns: the split of a run's points/params/tags into ``log_batch`` calls within MLflow's per-call
-limits, artifact uploads, and the policy that tells a passing failure (retry later) from a
-permanent refusal (isolate the offending value, keep the rest). Does not own: retries and
-backoff (the shard's writer loop) or durability (the spool).
+Owns: the calls (``log_batch`` within MLflow's per-call limits, artifact uploads, dataset inputs,
+creating, finding, reopening and ending runs) and :class:`FailurePolicy`, the one place that
+decides whether a failed write is *transient* (retry the same data later, as long as it takes) or
+*permanent* (set exactly the refused entity aside; never retry it). A permanent refusal inside a
+multi-value ``log_batch`` is bisected down to the values MLflow refuses, so one bad value never
+sinks the rest. Does not own: when to retry (the shard) or durability (the spool).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import re
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from mlflow.utils.validation import (
-    MAX_ENTITIES_PER_BATCH,
-    MAX_METRICS_PER_BATCH,
-    MAX_PARAMS_TAGS_PER_BATCH,
-)
 
-from raydeck.tracking.messages import Point
+from raydeck.tracking.messages import DatasetRef, Point
 
 logger = logging.getLogger(__name__)
 
 # MLflow's client retries a failed request for minutes by default; the shard has its own retry
 # loop with a visible backlog, so each request fails fast and the loop decides.
 MLFLOW_REQUEST_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+RUN_KEY_TAG = "raydeck.run_key"
+MODE_TAG = "raydeck.mode"
+
+# S3 error codes worth retrying (everything else a server answers is a refusal).
+_TRANSIENT_S3_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout",
+                       "RequestTimeTooSkewed", "OperationAborted", "Throttling",
+                       "ThrottlingException", "RequestLimitExceeded", "503", "500", "502", "504"}
+# OS errors no retry can fix: permissions, read-only or full file systems, bad names.
+_PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT,
+                     errno.ENAMETOOLONG, errno.EISDIR, errno.ENOTDIR, errno.EINVAL, errno.EFBIG,
+                     errno.ENOENT}
+_S3_CODE_IN_TEXT = re.compile(r"An error occurred \(([\w.]+)\)")
+_ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]")
 
 
 class TransientWriteError(Exception):
     """MLflow or the artifact store is unreachable or overloaded; retry the same data later."""
 
 
-class FailurePolicy:
-    """Decides whether a failed write is worth retrying.
+class PermanentWriteError(Exception):
+    """The server refused this entity for good (its reason is the message); never retry it."""
 
-    4xx answers from MLflow (bad value, unknown run) are permanent: retrying cannot help, so
-    the offending values are isolated and reported. Everything else (connection refused,
-    timeouts, 5xx, a locked SQLite file, S3 hiccups) is transient: the data waits in the spool.
+
+@dataclass(frozen=True)
+class Verdict:
+    transient: bool
+    reason: str
+
+
+class FailurePolicy:
+    """Classifies every failure MLflow, S3 or the local disk can produce.
+
+    Transient: connection refused or reset, timeouts, HTTP 5xx, 408 and 429, S3 throttling and
+    internal errors, a locked database (MLflow maps it to 503). Permanent: any other 4xx answer
+    (a refused value, a conflicting param, an unknown run, 403 access denied, 413 too large),
+    S3's refusals (AccessDenied, NoSuchBucket, InvalidAccessKeyId, EntityTooLarge, ...), missing
+    credentials, and OS errors no retry fixes (permission, read-only or full disk). An error of a
+    type this policy does not know is treated as transient, but the shard gives up on the entity
+    after a bounded number of such attempts, so nothing unknown is retried forever.
     """
 
-    def is_transient(self, exc: BaseException) -> bool:
+    def classify(self, exc: BaseException) -> Verdict:
+        for cause in _chain(exc):
+            verdict = self._classify_one(cause)
+            if verdict is not None:
+                return verdict
+        return Verdict(True, f"unclassified {_short(exc)}")
+
+    def _classify_one(self, exc: BaseException) -> Verdict | None:
+        text = _short(exc)
         if isinstance(exc, MlflowException):
             status = exc.get_http_status_code()
-            return status >= 500 or status in (408, 429)
-        return True
+            if status >= 500 or status in (408, 429):
+                # The tracking server answers 500 for everything its artifact proxy fails at,
+                # permanent or not; the message keeps the OS error number or the S3 code.
+                by_text = _verdict_from_text(str(exc), text)
+                if by_text is not None:
+                    return by_text
+                return None if exc.__cause__ is not None else Verdict(True, text)
+            return Verdict(False, text)
+        name = type(exc).__name__
+        module = type(exc).__module__
+        if module.startswith("botocore"):
+            if name == "ClientError":
+                error = getattr(exc, "response", {}).get("Error", {})
+                code = str(error.get("Code", ""))
+                status = getattr(exc, "response", {}).get("ResponseMetadata", {}).get(
+                    "HTTPStatusCode", 0)
+                transient = code in _TRANSIENT_S3_CODES or int(status or 0) >= 500
+                return Verdict(transient, text)
+            if name in ("NoCredentialsError", "PartialCredentialsError",
+                        "NoRegionError", "ParamValidationError", "InvalidS3AddressingStyleError"):
+                return Verdict(False, text)
+            return Verdict(True, text)  # connection, timeout and protocol errors
+        if name == "S3UploadFailedError":
+            return _verdict_from_text(str(exc), text)
+        if module.startswith(("requests", "urllib3")):
+            response = getattr(exc, "response", None)
+            status = getattr(response, "status_code", None)
+            if status is not None:
+                return Verdict(status >= 500 or status in (408, 429), text)
+            return Verdict(True, text)
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            return Verdict(True, text)
+        if isinstance(exc, OSError):
+            return Verdict(exc.errno not in _PERMANENT_ERRNOS, text)
+        return None
+
+
+def _verdict_from_text(message: str, text: str) -> Verdict | None:
+    """A verdict from an error number or S3 code quoted in a server's error message."""
+    number = _ERRNO_IN_TEXT.search(message)
+    if number:
+        return Verdict(int(number.group(1)) not in _PERMANENT_ERRNOS, text)
+    code = _S3_CODE_IN_TEXT.search(message)
+    if code:
+        return Verdict(code.group(1) in _TRANSIENT_S3_CODES, text)
+    return None
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes, outermost first (bounded: chains can loop)."""
+    seen: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and current not in seen and len(seen) < 10:
+        seen.append(current)
+        current = current.__cause__ or current.__context__
+    return seen
+
+
+@dataclass(frozen=True)
+class OpenedRun:
+    """A run as found or created in MLflow."""
+
+    run_id: str
+    experiment_id: str
+    mode: str
+    name: str
+    resumed: bool
+    params: dict[str, str]
 
 
 class MlflowWriter:
-    """Writes to one MLflow tracking server: one per shard, written to by its writer thread only."""
+    """Writes to one MLflow tracking server. Thread-safe: the shard's writers share it."""
 
     def __init__(self, tracking_uri: str, policy: FailurePolicy | None = None) -> None:
         os.environ.update(MLFLOW_REQUEST_ENV)
@@ -60,89 +162,144 @@ class MlflowWriter:
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.policy = policy or FailurePolicy()
 
-    def write(
-        self,
-        run_id: str,
-        points: Sequence[Point],
-        params: dict[str, str],
-        tags: dict[str, str],
-    ) -> list[str]:
-        """Write everything for one run; returns a description of each value MLflow refused.
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run one MLflow call; failures come out as Transient- or PermanentWriteError."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            verdict = self.policy.classify(exc)
+            error = TransientWriteError if verdict.transient else PermanentWriteError
+            raise error(f"{what}: {verdict.reason}") from exc
+
+    # --- values -----------------------------------------------------------------------------
+    def log_batch(self, run_id: str, points: Sequence[Point], params: dict[str, str],
+                  tags: dict[str, str]) -> list[tuple[str, str, str]]:
+        """Write one chunk (within MLflow's limits) to a run.
+
+        Returns ``(kind, key, reason)`` for each value MLflow refused for good; the rest landed.
 
         Raises:
-            TransientWriteError: MLflow is unreachable; nothing was lost, call again later.
+            TransientWriteError: nothing can be said yet; call again with the same values.
         """
-        rejected: list[str] = []
-        param_items = [Param(k, v) for k, v in params.items()]
-        tag_items = [RunTag(k, v) for k, v in tags.items()]
-        for start in range(0, len(param_items), MAX_PARAMS_TAGS_PER_BATCH):
-            self._write_chunk(run_id, [], param_items[start : start + MAX_PARAMS_TAGS_PER_BATCH],
-                              [], rejected)
-        for start in range(0, len(tag_items), MAX_PARAMS_TAGS_PER_BATCH):
-            self._write_chunk(run_id, [], [], tag_items[start : start + MAX_PARAMS_TAGS_PER_BATCH],
-                              rejected)
-        per_call = min(MAX_METRICS_PER_BATCH, MAX_ENTITIES_PER_BATCH)
-        for start in range(0, len(points), per_call):
-            chunk = [Metric(k, v, ts, step) for k, v, ts, step in points[start : start + per_call]]
-            self._write_chunk(run_id, chunk, [], [], rejected)
-        return rejected
+        refused: list[tuple[str, str, str]] = []
+        self._chunk(run_id, [Metric(k, v, ts, step) for k, v, ts, step in points],
+                    [Param(k, v) for k, v in params.items()],
+                    [RunTag(k, v) for k, v in tags.items()], refused)
+        return refused
 
-    def _write_chunk(
-        self,
-        run_id: str,
-        metrics: list[Metric],
-        params: list[Param],
-        tags: list[RunTag],
-        rejected: list[str],
-    ) -> None:
-        try:
-            self.client.log_batch(run_id, metrics=metrics, params=params, tags=tags,
-                                  synchronous=True)
+    def _chunk(self, run_id: str, metrics: list[Metric], params: list[Param],
+               tags: list[RunTag], refused: list[tuple[str, str, str]]) -> None:
+        if not (metrics or params or tags):
             return
-        except Exception as exc:
-            if self.policy.is_transient(exc):
-                raise TransientWriteError(_short(exc)) from exc
+        try:
+            self._call("log_batch", self.client.log_batch, run_id, metrics=metrics,
+                       params=params, tags=tags, synchronous=True)
+            return
+        except PermanentWriteError as exc:
             if len(metrics) + len(params) + len(tags) == 1:
                 entity = (metrics or params or tags)[0]
                 kind = "metric" if metrics else "param" if params else "tag"
-                rejected.append(f"{kind} {entity.key!r} in run {run_id}: {_short(exc)}")
+                refused.append((kind, entity.key, str(exc)))
                 return
-        # A permanent refusal of a multi-value chunk: bisect to isolate the bad values, so one
-        # bad value never sinks the rest.
         for part in _halves(metrics, params, tags):
-            self._write_chunk(run_id, *part, rejected)
+            self._chunk(run_id, *part, refused)
 
-    def upload(self, run_id: str, root: Path) -> None:
-        """Upload the tree under ``root`` to the run's artifact root, each file once."""
+    def log_input(self, run_id: str, dataset: DatasetRef) -> None:
+        from mlflow.entities import Dataset, DatasetInput, InputTag
+
+        tags = [InputTag(k, v) for k, v in dataset.tags.items()]
+        if dataset.context:
+            tags.append(InputTag("mlflow.data.context", dataset.context))
+        entity = Dataset(name=dataset.name, digest=dataset.digest,
+                         source_type=dataset.source_type, source=dataset.source,
+                         schema=dataset.schema or None, profile=dataset.profile or None)
+        self._call("log_inputs", self.client.log_inputs, run_id,
+                   datasets=[DatasetInput(dataset=entity, tags=tags)])
+
+    # --- artifacts --------------------------------------------------------------------------
+    def upload_file(self, run_id: str, path: Path, artifact_dir: str) -> None:
+        """Upload one local file to ``<artifact root>/<artifact_dir>/<path.name>``."""
+        self._call(f"artifact upload {artifact_dir + '/' if artifact_dir else ''}{path.name}",
+                   self.client.log_artifact, run_id, str(path), artifact_dir or None)
+
+    def history_steps(self, run_id: str, key: str) -> list[int]:
+        """Steps of every point of metric ``key`` MLflow holds for a run."""
+        history = self._call("metric history", self.client.get_metric_history, run_id, key)
+        return [m.step for m in history]
+
+    # --- runs -------------------------------------------------------------------------------
+    def find_run(self, key: str, experiment_ids: list[str] | None = None) -> Any | None:
+        """The run tagged ``raydeck.run_key = key`` (an MLflow run id works too), or None."""
+        from raydeck.config import RUN_KEY_PATTERN
+
+        if not RUN_KEY_PATTERN.match(key):
+            raise PermanentWriteError(f"run key {key!r} is not a valid run key")
+        if re.fullmatch(r"[0-9a-f]{32}", key):
+            try:
+                return self.client.get_run(key)
+            except MlflowException as exc:
+                if exc.get_http_status_code() != 404:
+                    verdict = self.policy.classify(exc)
+                    error = TransientWriteError if verdict.transient else PermanentWriteError
+                    raise error(f"get_run: {verdict.reason}") from exc
+        if experiment_ids is None:
+            experiments = self._call("search_experiments", self.client.search_experiments,
+                                     max_results=1000)
+            experiment_ids = [e.experiment_id for e in experiments]
+        if not experiment_ids:
+            return None
+        hits = self._call("search_runs", self.client.search_runs, experiment_ids,
+                          filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=1)
+        return hits[0] if hits else None
+
+    def experiment_id(self, name: str, artifact_location: str) -> str:
+        exp = self._call("get_experiment_by_name", self.client.get_experiment_by_name, name)
+        if exp is not None:
+            return str(exp.experiment_id)
         try:
-            self.client.log_artifacts(run_id, str(root))
-        except Exception as exc:
-            raise TransientWriteError(f"artifact upload: {_short(exc)}") from exc
+            return str(self._call("create_experiment", self.client.create_experiment, name,
+                                  artifact_location=artifact_location or None))
+        except PermanentWriteError:
+            # Another shard or router created it first.
+            exp = self._call("get_experiment_by_name", self.client.get_experiment_by_name, name)
+            if exp is None:
+                raise
+            return str(exp.experiment_id)
 
-    def upload_file(self, run_id: str, path: Path, artifact_path: str) -> None:
-        try:
-            self.client.log_artifact(run_id, str(path), artifact_path)
-        except Exception as exc:
-            raise TransientWriteError(f"artifact upload: {_short(exc)}") from exc
+    def open_run(self, key: str, name: str, experiment: str, artifact_location: str, mode: str,
+                 tags: dict[str, str], parent_run_id: str | None) -> OpenedRun:
+        """Find the run of ``key`` and mark it RUNNING, or create it. Idempotent."""
+        experiment_id = self.experiment_id(experiment, artifact_location)
+        found = self.find_run(key, [experiment_id])
+        if found is None and re.fullmatch(r"[0-9a-f]{32}", key) is None:
+            all_tags = {RUN_KEY_TAG: key, MODE_TAG: mode, **tags}
+            if parent_run_id:
+                all_tags["mlflow.parentRunId"] = parent_run_id
+            created = self._call("create_run", self.client.create_run, experiment_id,
+                                 run_name=name, tags=all_tags)
+            return OpenedRun(created.info.run_id, experiment_id, mode, name, False, {})
+        if found is None:
+            raise PermanentWriteError(
+                f"run id {key!r} looks like an MLflow run id, but MLflow has no such run; pass "
+                "an existing run id, or a name of your own (letters, digits, _ . -)")
+        if found.info.status != "RUNNING":
+            self._call("update_run", self.client.update_run, found.info.run_id, status="RUNNING")
+        return OpenedRun(found.info.run_id, found.info.experiment_id,
+                         found.data.tags.get(MODE_TAG, mode), found.info.run_name or name, True,
+                         dict(found.data.params))
 
-    def history(self, run_id: str, key: str) -> list[tuple[float, int]]:
-        """Value and step of every point of metric ``key`` that MLflow holds for a run.
-
-        Raises:
-            TransientWriteError: MLflow cannot be read now.
-        """
-        try:
-            return [(m.value, m.step) for m in self.client.get_metric_history(run_id, key)]
-        except Exception as exc:
-            raise TransientWriteError(f"metric history: {_short(exc)}") from exc
-
-    def set_terminated(self, run_id: str, status: str) -> None:
-        self.client.set_terminated(run_id, status=status, end_time=int(time.time() * 1000))
+    def end_run(self, run_id: str, status: str) -> None:
+        self._call("set_terminated", self.client.set_terminated, run_id, status=status,
+                   end_time=int(time.time() * 1000))
 
 
 def _halves(
     metrics: list[Metric], params: list[Param], tags: list[RunTag]
 ) -> list[tuple[list[Metric], list[Param], list[RunTag]]]:
+    if metrics and (params or tags):
+        return [(metrics, [], []), ([], params, tags)]
+    if params and tags:
+        return [([], params, []), ([], [], tags)]
     if len(metrics) > 1:
         mid = len(metrics) // 2
         return [(metrics[:mid], [], []), (metrics[mid:], [], [])]
@@ -154,6 +311,9 @@ def _halves(
 
 
 def _short(exc: BaseException) -> str:
+    """The first line of an error, at most 300 characters, with URL credentials removed."""
+    from raydeck.redaction import redact_text
+
     text = f"{type(exc).__name__}: {exc}"
     first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
-    return first[:300]
+    return redact_text(first[:300])

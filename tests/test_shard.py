@@ -1,0 +1,163 @@
+"""A shard on its own, writing to a real MLflow server: per-run queues, refusals set aside
+exactly, runs created and ended in order with their data, console logs in parts.
+
+These drive the shard's logic in this process (no Ray actors), so every branch is quick to
+reach; the fault matrix in ``test_tracking_contract.py`` runs the same code as Ray actors.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from raydeck.tracking.messages import Batch, FileRef, OpenRun
+from raydeck.tracking.shard import DEAD_LETTERS_TAG, ShardConfig, ShardCore
+from tests.fixtures.mlflow_server import MlflowServer
+
+
+@pytest.fixture
+def shard(tmp_path: Path, mlflow_server: MlflowServer) -> Iterator[ShardCore]:
+    core = ShardCore(ShardConfig(index=0, tracking_uri=mlflow_server.uri,
+                                 spool_dir=str(tmp_path / "spool"), fsync=False, writers=4,
+                                 env={}))
+    yield core
+    core.stop()
+
+
+def _open(core: ShardCore, key: str, artifact_location: str = "",
+          experiment: str = "shard-tests") -> None:
+    core.control(key, "open", OpenRun(key=key, name=key, experiment=experiment,
+                                      artifact_location=artifact_location, mode="rank_zero"))
+
+
+def _batch(key: str, seq: int, **fields: Any) -> Batch:
+    return Batch(client_id=f"client-{key}", seq=seq, run_key=key, params_run_key=key, **fields)
+
+
+def test_runs_are_created_written_and_ended_in_order(shard: ShardCore, mlflow_client: Any
+                                                     ) -> None:
+    key = f"order-{uuid.uuid4().hex[:8]}"
+    _open(shard, key)
+    points = [("loss", float(i), 1_000 + i, i) for i in range(2_500)]
+    shard.ingest(_batch(key, 0, points=points, params={"lr": "0.1"}, tags={"team": "a"},
+                        logs=[("rank_0.txt", "epoch 0\n")]))
+    shard.ingest(_batch(key, 0, points=points))  # a re-delivery: acknowledged, dropped
+    shard.ingest(_batch(key, 1, logs=[("rank_0.txt", "epoch 1\n")]))
+    shard.control(key, "end", "FINISHED")
+    report = shard.wait_landed([key], 120)
+    assert report.landed and not report.dead_letters
+    run = mlflow_client.get_run(shard.resolve(key, 1).run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"lr": "0.1"} and run.data.tags["team"] == "a"
+    history = mlflow_client.get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(2_500))
+    parts = [a.path for a in mlflow_client.list_artifacts(run.info.run_id, "logs/rank_0")]
+    text = "".join(Path(mlflow_client.download_artifacts(run.info.run_id, p)).read_text()
+                   for p in sorted(parts))
+    assert text == "epoch 0\nepoch 1\n"
+
+
+def test_a_refused_value_is_set_aside_alone_and_recorded_on_the_run(
+    shard: ShardCore, mlflow_client: Any, tmp_path: Path
+) -> None:
+    key = f"refused-{uuid.uuid4().hex[:8]}"
+    # An artifact location whose parent is a file: every upload fails with ENOTDIR for good.
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("x")
+    _open(shard, key, artifact_location=(blocker / "artifacts").as_uri(),
+          experiment=f"refusals-{uuid.uuid4().hex[:6]}")
+    other = f"healthy-{uuid.uuid4().hex[:8]}"
+    _open(shard, other)
+    upload = uuid.uuid4().hex
+    shard.put_chunk(upload, 0, b"weights")
+    shard.ingest(_batch(key, 0, points=[("acc", 0.5, 1, 0)], params={"lr": "0.1"},
+                        files=[FileRef(upload, "model", "weights.bin", 7)]))
+    shard.ingest(_batch(key, 1, params={"lr": "0.2"}))  # MLflow refuses a changed param
+    shard.ingest(_batch(other, 0, points=[("acc", 0.9, 1, 0)]))
+    shard.control(key, "end", "FINISHED")
+    report = shard.wait_landed([key], 120)
+    assert report.landed
+    assert {(d.kind, d.key) for d in report.dead_letters} == {("file", "weights.bin"),
+                                                              ("param", "lr")}
+    run = mlflow_client.get_run(shard.resolve(key, 1).run_id)
+    assert run.data.params == {"lr": "0.1"}
+    assert [m.value for m in mlflow_client.get_metric_history(run.info.run_id, "acc")] == [0.5]
+    assert run.info.status == "FINISHED"
+    assert int(run.data.tags[DEAD_LETTERS_TAG]) >= 2
+    kept = next(d.kept_at for d in report.dead_letters if d.key == "weights.bin")
+    assert Path(kept).read_bytes() == b"weights"  # set aside, not deleted
+    # The other run on the same shard was not held up.
+    assert shard.wait_landed([other], 60).landed
+    healthy = mlflow_client.get_run(shard.resolve(other, 1).run_id)
+    assert [m.value for m in mlflow_client.get_metric_history(healthy.info.run_id, "acc")] \
+        == [0.9]
+
+
+def test_a_restarted_shard_continues_from_its_spool(tmp_path: Path, mlflow_server: MlflowServer,
+                                                     mlflow_client: Any) -> None:
+    config = ShardConfig(index=0, tracking_uri="http://127.0.0.1:9", spool_dir=str(
+        tmp_path / "spool"), fsync=False, writers=2, env={})
+    key = f"restart-{uuid.uuid4().hex[:8]}"
+    down = ShardCore(config)  # MLflow "down": nothing listens on port 9
+    _open(down, key)
+    down.ingest(_batch(key, 0, points=[("x", float(i), i, i) for i in range(3_000)]))
+    assert not down.wait_landed([key], 2).landed
+    assert down.stats()["queued_points"] == 3_000
+    down.stop()
+    up = ShardCore(ShardConfig(**{**config.__dict__, "tracking_uri": mlflow_server.uri}))
+    try:
+        assert up.stats()["replay_backlog"] >= 3
+        assert up.wait_landed([key], 120).landed
+        run_id = up.resolve(key, 1).run_id
+        steps = sorted(m.step for m in mlflow_client.get_metric_history(run_id, "x"))
+        assert steps == list(range(3_000))
+    finally:
+        up.stop()
+
+
+def test_all_ranks_views_per_step(shard: ShardCore, mlflow_client: Any) -> None:
+    key = f"ranks-{uuid.uuid4().hex[:8]}"
+    _open(shard, key)
+    values = {0: [1.0, 2.0], 1: [3.0, 10.0], 2: [2.0, 0.0], 3: [4.0, 4.0]}
+    for order, rank in enumerate((2, 0, 3, 1)):  # rank 1 logs each step last: the straggler
+        shard.ingest(Batch(client_id=f"r{rank}", seq=0, run_key=key, params_run_key=key,
+                           points=[(f"loss/rank_{rank}", v, 1_000 * (step + 1) + order, step)
+                                   for step, v in enumerate(values[rank])],
+                           rank_of=(rank, 4)))
+    assert shard.wait_landed([key], 60).landed
+    run_id = shard.resolve(key, 1).run_id
+
+    def series(name: str) -> list[float]:
+        history = sorted(mlflow_client.get_metric_history(run_id, name), key=lambda m: m.step)
+        return [m.value for m in history]
+
+    assert series("loss/mean") == [2.5, 4.0]
+    assert series("loss/min") == [1.0, 0.0]
+    assert series("loss/max") == [4.0, 10.0]
+    assert series("loss/straggler_rank") == [1.0, 1.0]
+
+
+def test_dead_letters_survive_a_restart_and_show_in_stats(tmp_path: Path,
+                                                         mlflow_server: MlflowServer) -> None:
+    config = ShardConfig(index=1, tracking_uri=mlflow_server.uri,
+                         spool_dir=str(tmp_path / "spool"), fsync=False, writers=1, env={})
+    key = f"letters-{uuid.uuid4().hex[:8]}"
+    first = ShardCore(config)
+    _open(first, key)
+    first.ingest(_batch(key, 0, params={"p": "1"}))
+    first.ingest(_batch(key, 1, params={"p": "2"}))
+    assert first.wait_landed([key], 60).landed
+    first.stop()
+    second = ShardCore(config)
+    try:
+        stats = second.stats()
+        assert stats["dead_letters"] == 1
+        letters = json.loads(json.dumps([d.__dict__ for d in second.spool.dead_letters(key)]))
+        assert letters[0]["kind"] == "param" and letters[0]["key"] == "p"
+    finally:
+        second.stop()
