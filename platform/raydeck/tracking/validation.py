@@ -112,3 +112,145 @@ def artifact_path_problem(path: str | None) -> str | None:
         return None
     problem = key_problem(path)
     return problem and f"artifact_path: {problem}"
+
+
+# --- Sanitizing: what raydeck's own integrations do instead of raising ------------------------
+# A key or value MLflow would refuse must not abort a training job that raydeck's integrations
+# (the Lightning logger, report_epoch, Tune reports) log for the user. They make it legal the
+# way Lightning's own MLFlowLogger does (remove the characters MLflow refuses, cut long params),
+# warn once per key and count what they changed or dropped on the run under these tags.
+import zlib  # noqa: E402
+from collections.abc import Mapping  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+SANITIZED_VALUES_TAG = "raydeck.sanitized_values"
+DROPPED_VALUES_TAG = "raydeck.dropped_values"
+
+_ILLEGAL_KEY_CHARS = re.compile(r"[^/\w.\- :]+")
+# A key cut to MLflow's length limit ends with "-" and this many hex digits of a CRC of the
+# whole key, so two long keys that share a prefix stay two keys.
+KEY_DIGEST_CHARS = 8
+
+
+@dataclass(frozen=True)
+class Sanitized:
+    """One value a lenient path changed or dropped: ``key`` as given, ``logged_as`` the key it
+    was logged under (None: dropped), ``reason`` the rule it broke and what was done."""
+
+    key: str
+    logged_as: str | None
+    reason: str
+
+    @property
+    def dropped(self) -> bool:
+        return self.logged_as is None
+
+
+def _normalized_key_path(key: str) -> str:
+    path = "/".join(part for part in key.split("/") if part not in ("", ".", ".."))
+    # MLflow refuses any key starting with "..", also "..x" (it could climb out of a directory).
+    return path.lstrip(".") if path.startswith("..") else path
+
+
+def legal_key(key: Any) -> tuple[str | None, str | None]:
+    """``key`` as a metric, param or tag name MLflow accepts, and why it had to change.
+
+    The rules, in order: a key that is not a str becomes its ``str()``; characters MLflow
+    refuses are removed, as Lightning's ``MLFlowLogger`` does (``recall@5`` -> ``recall5``;
+    MLflow's ``:`` and non-ASCII letters stay); the path is normalized (empty, ``.`` and ``..``
+    segments dropped, so no leading or trailing ``/``); a key longer than MLflow's limit is cut
+    and ends with ``-`` and :data:`KEY_DIGEST_CHARS` hex digits of the whole key's CRC32.
+
+    Returns:
+        ``(key, None)`` when ``key`` is legal as it is; ``(new_key, reason)`` when it changed;
+        ``(None, reason)`` when nothing legal is left (``"@@"``): the value is to be dropped.
+    """
+    if isinstance(key, str) and key_problem(key) is None:
+        return key, None
+    reasons: list[str] = []
+    text = key if isinstance(key, str) else str(key)
+    if not isinstance(key, str):
+        reasons.append(f"keys must be str, got {type(key).__name__}")
+    removed = "".join(sorted(set("".join(_ILLEGAL_KEY_CHARS.findall(text)))))
+    if removed:
+        text = _ILLEGAL_KEY_CHARS.sub("", text)
+        reasons.append(f"removed {removed!r} ({KEY_RULE})")
+    normalized = _normalized_key_path(text)
+    if normalized != text:
+        text = normalized
+        reasons.append("normalized the path (no leading '/' or '..', no '//', '/./', '/../' or "
+                       "trailing '/')")
+    if len(text) > MAX_ENTITY_KEY_LENGTH:
+        digest = f"{zlib.crc32(text.encode()):0{KEY_DIGEST_CHARS}x}"
+        head = _normalized_key_path(text[:MAX_ENTITY_KEY_LENGTH - KEY_DIGEST_CHARS - 1])
+        reasons.append(f"cut to {MAX_ENTITY_KEY_LENGTH} characters (was {len(text)})")
+        text = f"{head}-{digest}"
+    if not text:
+        return None, "; ".join([*reasons, "nothing legal is left"])
+    return text, "; ".join(reasons)
+
+
+def truncated_param(value: Any) -> tuple[str, str | None]:
+    """``value`` as param text MLflow accepts: its ``str()``, cut to MLflow's length limit.
+
+    Returns:
+        ``(text, None)`` when it fits; ``(first MAX_PARAM_VAL_LENGTH characters, reason)``
+        when it was cut (Lightning's ``MLFlowLogger`` cuts every param to 250 characters).
+    """
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= MAX_PARAM_VAL_LENGTH:
+        return text, None
+    return text[:MAX_PARAM_VAL_LENGTH], (
+        f"param values may be at most {MAX_PARAM_VAL_LENGTH} characters; cut from {len(text)}"
+    )
+
+
+def _clash(reason: str | None, name: str | None) -> str:
+    """Why a value was dropped: nothing legal left (``name`` None), or its key clashes."""
+    if name is None:
+        return reason or ""
+    clash = f"another key of the same call is logged as {name!r}"
+    return f"{reason}; {clash}" if reason else clash
+
+
+def sanitize_metrics(metrics: Mapping[Any, Any]) -> tuple[dict[str, float], list[Sanitized]]:
+    """The metric values of ``metrics`` that MLflow accepts, and what was changed or dropped.
+
+    Keys go through :func:`legal_key`; a key renamed onto one that is already in the result
+    is dropped (the first value wins). Values must be numbers (:func:`metric_value`; ``bool``
+    counts as 0.0/1.0 as in MLflow); strings, None and multi-element tensors are dropped.
+    Non-finite values are kept: whether they are stored is the tracker's NaN policy.
+    """
+    clean: dict[str, float] = {}
+    changes: list[Sanitized] = []
+    for key, value in metrics.items():
+        name, reason = legal_key(key)
+        if name is None or name in clean:
+            changes.append(Sanitized(str(key), None, _clash(reason, name)))
+            continue
+        number, problem = metric_value(float(value) if isinstance(value, bool) else value, True)
+        if problem:
+            changes.append(Sanitized(str(key), None, problem))
+            continue
+        clean[name] = number
+        if reason:
+            changes.append(Sanitized(str(key), name, reason))
+    return clean, changes
+
+
+def sanitize_params(params: Mapping[Any, Any]) -> tuple[dict[str, str], list[Sanitized]]:
+    """The params of ``params`` as MLflow accepts them (text; see :func:`legal_key` and
+    :func:`truncated_param`), and what was changed or dropped. A key renamed onto one already
+    in the result is dropped."""
+    clean: dict[str, str] = {}
+    changes: list[Sanitized] = []
+    for key, value in params.items():
+        name, key_reason = legal_key(key)
+        if name is None or name in clean:
+            changes.append(Sanitized(str(key), None, _clash(key_reason, name)))
+            continue
+        clean[name], value_reason = truncated_param(value)
+        reason = "; ".join(r for r in (key_reason, value_reason) if r)
+        if reason:
+            changes.append(Sanitized(str(key), name, reason))
+    return clean, changes
