@@ -69,9 +69,6 @@ STATE_FILE = "raydeck_lightning.json"
 CHECKPOINT_ARTIFACT_PATH = "checkpoints"
 LIGHTNING_TAG_PREFIX = "raydeck.lightning."
 TRUNCATED_PARAMS_ARTIFACT = "lightning/truncated_params.json"
-# Lightning's finalize(status) -> the MLflow status the run ends with, as MLFlowLogger maps it.
-# Only "failed" ends the run from finalize; see RaydeckLogger.finalize.
-RUN_END_STATUS = {"success": "FINISHED", "finished": "FINISHED", "failed": "FAILED"}
 
 
 def _number(value: Any) -> Any:
@@ -90,7 +87,7 @@ class _Corrections:
     """
 
     def __init__(self) -> None:
-        self._warned: set[str] = set()
+        self._warned: set[tuple[str, str]] = set()
         self.sanitized = 0
         self.dropped = 0
 
@@ -102,9 +99,9 @@ class _Corrections:
                 self.dropped += 1
             else:
                 self.sanitized += 1
-            if change.key in self._warned:
+            if (what, change.key) in self._warned:
                 continue
-            self._warned.add(change.key)
+            self._warned.add((what, change.key))
             if change.dropped:
                 logger.warning("%s %r not logged: %s (warned once per key; counted in the run's "
                                "tag %s)", what, change.key, change.reason, DROPPED_VALUES_TAG)
@@ -129,14 +126,6 @@ def _corrections(tracker: Tracker) -> _Corrections:
     if corrections is None:
         corrections = _corrections_of[tracker] = _Corrections()
     return corrections
-
-
-def _log_metrics(tracker: Tracker, values: dict[str, float], step: int | None) -> None:
-    """``tracker.log_metrics`` for values already sanitized; refusals are counted, not raised."""
-    try:
-        tracker.log_metrics(values, step=step)
-    except TrackingValidationError as error:
-        _corrections(tracker).refused(tracker, "metric", error)
 
 
 def _log_points(tracker: Tracker, points: list[MetricPoint]) -> None:
@@ -253,13 +242,17 @@ class RaydeckLogger(Logger):
         values, changes = sanitize_metrics(_add_prefix(dict(metrics), self._prefix,
                                                        self.LOGGER_JOIN_CHAR))
         tracker = self.tracker
-        _corrections(tracker).record(tracker, "metric", changes)
+        corrections = _corrections(tracker)
+        corrections.record(tracker, "metric", changes)
         if self._held is not None and step is not None and step >= self._committed_step:
             timestamp_ms = int(time.time() * 1000)
             self._held.extend((key, value, timestamp_ms, int(step))
                               for key, value in values.items())
             return
-        _log_metrics(tracker, values, step)
+        try:
+            tracker.log_metrics(values, step=step)
+        except TrackingValidationError as error:  # e.g. NaN where the settings reject it
+            corrections.refused(tracker, "metric", error)
 
     @override
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
@@ -297,7 +290,7 @@ class RaydeckLogger(Logger):
         if tracker is None:  # nothing was logged, as MLFlowLogger's uninitialised experiment
             return
         self.release()
-        if RUN_END_STATUS.get(status) == "FAILED":
+        if status == "failed":
             try:
                 tracker.finish("FAILED", wait=False)
             except Exception as exc:  # the stage's own exception is what the user must see

@@ -119,6 +119,7 @@ def artifact_path_problem(path: str | None) -> str | None:
 # (the Lightning logger, report_epoch, Tune reports) log for the user. They make it legal the
 # way Lightning's own MLFlowLogger does (remove the characters MLflow refuses, cut long params),
 # warn once per key and count what they changed or dropped on the run under these tags.
+import functools  # noqa: E402
 import zlib  # noqa: E402
 from collections.abc import Mapping  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -165,8 +166,21 @@ def legal_key(key: Any) -> tuple[str | None, str | None]:
         ``(key, None)`` when ``key`` is legal as it is; ``(new_key, reason)`` when it changed;
         ``(None, reason)`` when nothing legal is left (``"@@"``): the value is to be dropped.
     """
-    if isinstance(key, str) and key_problem(key) is None:
-        return key, None
+    if isinstance(key, str):
+        return _legal_str_key(key)
+    return _legalized(key)
+
+
+# Integrations log the same few keys every step: remember the answer (strings only, bounded).
+LEGAL_KEY_CACHE_SIZE = 4096
+
+
+@functools.lru_cache(maxsize=LEGAL_KEY_CACHE_SIZE)
+def _legal_str_key(key: str) -> tuple[str | None, str | None]:
+    return (key, None) if key_problem(key) is None else _legalized(key)
+
+
+def _legalized(key: Any) -> tuple[str | None, str | None]:
     reasons: list[str] = []
     text = key if isinstance(key, str) else str(key)
     if not isinstance(key, str):
