@@ -151,7 +151,7 @@ class SystemSampler:
         nvml = self._nvml
         assert nvml is not None
         try:
-            uuids = [str(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index)))
+            uuids = [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(index)))
                      for index in range(nvml.nvmlDeviceGetCount())]
         except nvml.NVMLError as exc:
             logger.warning("NVML could not list the GPUs; no GPU metrics for this run: %s", exc)
@@ -165,8 +165,9 @@ class SystemSampler:
             self._process_gpus = [(f"{label}/gpu_{ordinal}/", index)
                                   for ordinal, index in enumerate(indices) if index is not None]
             if not self._process_gpus:
-                logger.warning("GPUs assigned to this process (%s) match none of NVML's %d GPUs; "
-                               "no per-process GPU metrics", visible, len(uuids))
+                logger.warning("no per-process GPU metrics: the GPUs Ray assigned this process "
+                               "(%s) are MIG instances or match none of NVML's %d GPUs",
+                               visible, len(uuids))
 
     def sample(self) -> dict[str, float]:
         """One sample: ``system/<node>/...`` key -> value."""
@@ -221,6 +222,11 @@ class SystemSampler:
             logger.warning("NVML sampling failed; GPU metrics stop for this run: %s", exc)
             self._nvml = None
         return values
+
+
+def _text(value: str | bytes) -> str:
+    """NVML strings: str from nvidia-ml-py, bytes from older bindings."""
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def _readings(nvml: Any, index: int) -> dict[str, float]:
