@@ -80,8 +80,9 @@ nodes_row = Row("Nodes", (
     Panel("GPU utilization", (Target(
         f"avg by ({PER_NODE}, GpuIndex) ({selector('ray_node_gpus_utilization', *ON_NODE)})",
         "{{instance}} GPU {{GpuIndex}}"),), unit="percent", empty_ok=GPU,
-        description="Per GPU. Low while a job holds the GPU: the input pipeline is the "
-                    "bottleneck."),
+        description="Per GPU, from Ray's node metrics; GpuIndex is the NVML index, the <i> of "
+                    "system/<node>/gpu_<i>/ in a run's MLflow metrics. Low while a job holds "
+                    "the GPU: the input pipeline is the bottleneck."),
     Panel("GPU memory used", (Target(
         _ratio_percent("ray_node_gram_used", "ray_node_gram_available", f"{PER_NODE}, GpuIndex"),
         "{{instance}} GPU {{GpuIndex}}"),), unit="percent", thresholds=(Threshold(95, "red"),),

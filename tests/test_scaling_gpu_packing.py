@@ -124,3 +124,15 @@ def test_feasibility_reads_each_nodes_own_free_gpus(fake_gpu_results: dict[str, 
     # 0.5 GPU free on each node: four quarter-GPU workers fit now, a 2-GPU node does not.
     assert answers["gpu-strict-pack both nodes busy"] is False
     assert answers["gpu-quarter both nodes busy"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(DRIVER_TIMEOUT_S + 60)
+def test_each_worker_samples_the_gpu_ray_gave_it(fake_gpu_results: dict[str, Any]) -> None:
+    from raydeck.tracking.system_metrics import cuda_visible_to_nvml
+
+    node_uuids = [f"GPU-{index:08x}-0000-0000-0000-000000000000" for index in range(2)]
+    for preset in PRESETS:
+        for worker in _placements(fake_gpu_results, preset):
+            nvml_indices = cuda_visible_to_nvml(worker["assigned_gpus"], node_uuids)
+            assert nvml_indices == [int(worker["gpu_ids"][0])], (preset, worker)

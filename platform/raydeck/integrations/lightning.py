@@ -18,6 +18,13 @@ again, which MLflow keeps once. Without the callback (no Ray Train), the logger 
 Ranks: the logger does not use Lightning's ``rank_zero_only``; every rank calls the tracker, and
 the run's tracking mode decides who writes (``rank_zero``: rank 0; ``all_ranks``: every rank
 under its own keys; ``per_rank``: child runs).
+
+Like Lightning's ``MLFlowLogger``, nothing a user logs aborts ``fit``: keys MLflow would refuse
+are made legal (``recall@5`` -> ``recall5``), long hyperparameters are cut (the full values go
+to the artifact ``lightning/truncated_params.json``), non-numeric metric values are dropped; each
+key is warned about once, and the run counts the changed and dropped values in the tags
+``raydeck.sanitized_values`` and ``raydeck.dropped_values``
+(the tracker's lenient path: ``strict=False``, :mod:`raydeck.tracking.validation`).
 """
 
 from __future__ import annotations
@@ -43,8 +50,15 @@ from lightning_fabric.utilities.logger import (
 from pytorch_lightning.loggers.logger import Logger
 from typing_extensions import override
 
-from raydeck.checkpointing import MetricPoint, mark_resumed, report_checkpoint, stored_points
+from raydeck.checkpointing import (
+    MetricPoint,
+    log_points,
+    mark_resumed,
+    report_checkpoint,
+    stored_points,
+)
 from raydeck.tracking import Tracker
+from raydeck.tracking.validation import truncated_param
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +66,7 @@ LIGHTNING_CHECKPOINT_FILE = "lightning.ckpt"
 STATE_FILE = "raydeck_lightning.json"
 CHECKPOINT_ARTIFACT_PATH = "checkpoints"
 LIGHTNING_TAG_PREFIX = "raydeck.lightning."
+TRUNCATED_PARAMS_ARTIFACT = "lightning/truncated_params.json"
 
 
 def _number(value: Any) -> Any:
@@ -77,6 +92,12 @@ class RaydeckLogger(Logger):
         log_checkpoints: also upload the best checkpoint of a ``ModelCheckpoint`` callback as an
             artifact under ``checkpoints/`` each time it changes. Its path and score are always
             recorded as tags.
+        save_dir: the local root directory of this logger's files, as ``MLFlowLogger``'s
+            ``save_dir`` with a file store: ``trainer.log_dir`` is this directory, and a
+            ``ModelCheckpoint`` without ``dirpath`` writes to
+            ``<save_dir>/<experiment id>/<run id>/checkpoints``. Default None, as
+            ``MLFlowLogger`` with a tracking server: ``trainer.log_dir`` is None and checkpoints
+            go to ``<trainer.default_root_dir>/<experiment id>/<run id>/checkpoints``.
 
     ``experiment`` is the tracker, so ``self.logger.experiment.log_text(...)`` works in a
     ``LightningModule``. ``name`` is the MLflow experiment id and ``version`` the run id.
@@ -85,11 +106,12 @@ class RaydeckLogger(Logger):
     LOGGER_JOIN_CHAR = "-"
 
     def __init__(self, tracker: Tracker | None = None, *, prefix: str = "",
-                 log_checkpoints: bool = False) -> None:
+                 log_checkpoints: bool = False, save_dir: str | Path | None = None) -> None:
         super().__init__()
         self._tracker = tracker
         self._prefix = prefix
         self._log_checkpoints = log_checkpoints
+        self._save_dir = None if save_dir is None else str(save_dir)
         self._held: list[MetricPoint] | None = None
         self._committed_step = 0
         self._uploaded_checkpoint = ""
@@ -116,19 +138,34 @@ class RaydeckLogger(Logger):
     def version(self) -> str:
         return self.tracker.run_id
 
+    @property
+    @override
+    def save_dir(self) -> str | None:
+        return self._save_dir
+
     @override
     def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any
                         ) -> None:
-        """Log hyperparameters as MLflow params (nested dicts flattened with ``/``)."""
+        """Log hyperparameters as MLflow params (nested dicts flattened with ``/``).
+
+        Never raises on a key or value: keys are made legal, values longer than MLflow's limit
+        are cut and logged in full in the artifact ``lightning/truncated_params.json``, a param
+        already logged with another value keeps its first value; each is warned about once and
+        counted.
+        """
         flat = _flatten_dict(_sanitize_callable_params(_convert_params(params)))
-        self.tracker.log_params({key: value for key, value in flat.items() if value is not None})
+        cut = {str(key): str(value) for key, value in flat.items()
+               if truncated_param(value)[1] is not None}
+        if cut:
+            self.tracker.log_dict(cut, TRUNCATED_PARAMS_ARTIFACT)
+        self.tracker.log_params(flat, strict=False)
 
     @override
     def log_metrics(self, metrics: Mapping[str, Any], step: int | None = None) -> None:
         """Log metric values at ``step``, or hold them until their checkpoint is committed.
 
-        Raises:
-            TrackingValidationError: a key or value breaks a tracker rule (the others are kept).
+        Never raises on a key or value: keys are made legal, values that are not numbers are
+        dropped; each is warned about once and counted.
         """
         values = {key: _number(value)
                   for key, value in _add_prefix(dict(metrics), self._prefix,
@@ -138,7 +175,7 @@ class RaydeckLogger(Logger):
             self._held.extend((key, value, timestamp_ms, int(step))
                               for key, value in values.items())
             return
-        self.tracker.log_metrics(values, step=step)
+        self.tracker.log_metrics(values, step=step, strict=False)
 
     @override
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
@@ -157,13 +194,32 @@ class RaydeckLogger(Logger):
 
     @override
     def finalize(self, status: str) -> None:
-        """End of fit: log whatever is still held and hand it to the proxy.
+        """End of ``fit``/``validate``/``test``: log what is held, end the run if it failed.
 
-        The run itself stays open: it ends when the tracker is finished (by whoever created it,
-        or at process exit), so a job can still log a model after ``fit``.
+        Lightning passes ``"success"``, ``"failed"`` (the stage raised) or ``"finished"``
+        (before a SLURM requeue); like ``MLFlowLogger``, ``"failed"`` ends the run as FAILED
+        (without waiting for MLflow: what was logged is in the proxy's spool and lands).
+        After ``"success"`` or ``"finished"`` the values are handed to the proxy and the run
+        stays open: it ends FINISHED when its tracker finishes (the ``with`` block, whoever
+        created it, or process exit), so ``trainer.test()`` or logging a model after ``fit``
+        still land in it.
+
+        Raises:
+            TrackingWriteError: (not after ``"failed"``) MLflow refused values logged earlier.
+                An unreachable proxy only warns here: the values stay buffered and the
+                tracker's ``finish`` retries.
         """
+        tracker = self._tracker
+        if tracker is None:  # nothing was logged, as MLFlowLogger's uninitialised experiment
+            return
         self.release()
-        self.tracker.flush()
+        if status == "failed":
+            try:
+                tracker.finish("FAILED", wait=False)
+            except Exception as exc:  # the stage's own exception is what the user must see
+                logger.warning("could not end run %s as FAILED: %s", tracker.run_id, exc)
+            return
+        tracker.flush()
 
     # --- holding, driven by RaydeckReportCallback -------------------------------------------
     def hold(self, committed_step: int) -> None:
@@ -185,8 +241,6 @@ class RaydeckLogger(Logger):
         """Log every held value and stop holding."""
         held, self._held = self._held or [], None
         if held:
-            from raydeck.checkpointing import log_points
-
             log_points(self.tracker, held)
 
 
@@ -246,13 +300,20 @@ class RaydeckReportCallback(pl.Callback):
                        if isinstance(value, (int, float))}
             metrics.update(epoch=epoch, step=int(trainer.global_step))
             points = [point for item in loggers for point in item.take_held()] if loggers \
-                else None
+                else self._epoch_points(metrics, epoch)
             report_checkpoint(self.tracker, directory, metrics, epoch=epoch, points=points,
                               save_started=started)
             for item in loggers:
                 item.committed(_logged_step(trainer))
             # No rank deletes its directory while another still uploads the checkpoint.
             trainer.strategy.barrier()
+
+    @staticmethod
+    def _epoch_points(metrics: dict[str, float], epoch: int) -> list[MetricPoint]:
+        """Without a RaydeckLogger the epoch's metrics are logged at ``step=epoch`` (the
+        tracker makes their keys legal for MLflow; Ray Train gets them as they are)."""
+        timestamp_ms = int(time.time() * 1000)
+        return [(key, value, timestamp_ms, epoch) for key, value in metrics.items()]
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

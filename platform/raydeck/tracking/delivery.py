@@ -55,7 +55,7 @@ UPLOAD_CHUNK_BYTES = 4 * 1024 * 1024
 POINT_BYTES = 64  # what one buffered point costs, roughly, besides its key
 MAX_BATCH_LOG_BYTES = 1024 * 1024
 DROP_WARNING_INTERVAL_S = 60.0
-DROPPED_TAG = "raydeck.dropped_values"
+DROPPED_TAG = "raydeck.buffer_dropped_values"
 
 
 @dataclass

@@ -52,12 +52,12 @@ from raydeck.tracking.messages import (
 )
 from raydeck.tracking.modes import ModePolicy
 from raydeck.tracking.repro import reproducibility_tags, runtime_env_json
-from raydeck.tracking.system_metrics import SystemSampler
+from raydeck.tracking.system_metrics import SystemSampler, sampler_for
 
 logger = logging.getLogger(__name__)
 
-SANITIZED_TAG = "raydeck.sanitized_values"
 SANITIZED_METRIC = "raydeck/sanitized_values"
+DROPPED_METRIC = "raydeck/dropped_values"
 RESOLVE_TIMEOUT_S = 60.0
 
 
@@ -84,9 +84,10 @@ class Tracker:
         self._next_step = 0
         self._logged_through: dict[str, int] = {}
         self._logged_params: dict[str, str] = dict(binding.existing_params) if binding else {}
-        self._warned: set[str] = set()
+        self._warned: set[tuple[str, str]] = set()
         self._sanitized = 0
-        self._sanitized_sent = 0
+        self._dropped = 0
+        self._counts_sent = (0, 0)
         self._tables: dict[str, Any] = {}
         self._provenance = False
         self._finished = False
@@ -135,8 +136,8 @@ class Tracker:
             self._keys.clear()
             for key, value in binding.existing_params.items():
                 self._logged_params.setdefault(key, value)
-        if binding.sample_system and self._sample_interval_s > 0 and self._sampler is None:
-            self._sampler = SystemSampler(self._process.node_ip)
+        if self._sample_interval_s > 0 and self._sampler is None:
+            self._sampler = sampler_for(self._process, node_view=binding.sample_system)
         if binding.created and not self._provenance:
             # A new run records how it was produced (git commit, command, versions, runtime env).
             self._provenance = True
@@ -266,15 +267,19 @@ class Tracker:
         Raises:
             TrackingValidationError: (``strict``) some keys or values broke a rule; every other
                 value of the call was kept. The message names each key, its rule and the fix.
-                With ``strict=False`` nothing raises: keys are repaired, values that cannot be
-                stored are dropped, each warned about once and counted on the run.
+                With ``strict=False`` nothing raises: keys are made legal, values that cannot
+                be stored are dropped, each warned about once and counted on the run.
         """
-        if step is not None and validation.step_problem(step):
-            problem = validation.step_problem(step)
+        if not strict:
+            metrics, changes = validation.sanitize_metrics(metrics)
+            self._corrected("metric", changes)
+        problem = validation.step_problem(step) if step is not None else None
+        if problem:
             if strict:
-                raise TrackingValidationError(dict.fromkeys(map(str, metrics), problem or ""))
-            self._lenient("step", f"step {step!r} ignored: {problem}", len(metrics))
-            step = None
+                raise TrackingValidationError(dict.fromkeys(map(str, metrics), problem))
+            self._corrected("metric", [validation.Sanitized(str(k), None, problem)
+                                       for k in metrics])
+            return
         stamp = int(time.time() * 1000) if timestamp is None else int(timestamp)
         keys = self._keys
         out: list[Point] = []
@@ -293,26 +298,17 @@ class Tracker:
                 if final is None:
                     problem = validation.key_problem(key)
                     if problem:
-                        if strict:
-                            problems = problems or {}
-                            problems[str(key)] = problem
-                            continue
-                        fixed = validation.sanitize_key(key)
-                        self._lenient(str(key), f"metric key {key!r} stored as {fixed!r}: "
-                                      f"{problem}")
-                        final = keys[key] = self._policy.metric_key(fixed)
-                    else:
-                        final = keys[key] = self._policy.metric_key(key)
+                        problems = problems or {}
+                        problems[str(key)] = problem
+                        continue
+                    final = keys[key] = self._policy.metric_key(key)
                 if type(value) is float and value - value == 0.0:
                     number = value
                 else:
                     number, problem = validation.metric_value(value, self._keep_nonfinite)
                     if problem:
-                        if strict:
-                            problems = problems or {}
-                            problems[str(key)] = problem
-                        else:
-                            self._lenient(f"value:{key}", f"metric {key!r} dropped: {problem}")
+                        problems = problems or {}
+                        problems[str(key)] = problem
                         continue
                 if logged_through and point_step <= logged_through.get(final, -1):
                     continue
@@ -320,18 +316,42 @@ class Tracker:
         self._delivery.add_points(out)
         if synchronous:
             self.flush()
-        if problems:
-            raise TrackingValidationError(problems)
+        self._refused("metric", problems, strict)
 
-    def _lenient(self, what: str, message: str, count: int = 1) -> None:
-        """Count a value a lenient path changed or dropped; warn once per key."""
+    def _refused(self, what: str, problems: dict[str, str] | None, strict: bool) -> None:
+        """Raise a strict call's problems; count a lenient call's as dropped values."""
+        if not problems:
+            return
+        if strict:
+            raise TrackingValidationError(problems)
+        self._corrected(what, [validation.Sanitized(key, None, rule)
+                               for key, rule in problems.items()])
+
+    def _corrected(self, what: str, changes: list[validation.Sanitized]) -> None:
+        """Count what a lenient path changed or dropped (tags and metrics on the run, sent
+        with the next batch); warn once per key."""
+        if not changes:
+            return
+        fresh = []
         with self._lock:
-            self._sanitized += count
-            first = what not in self._warned
-            self._warned.add(what)
-        if first:
-            logger.warning("run %s: %s (warned once per key; counted in the tag %s)",
-                           self.run_key, message, SANITIZED_TAG)
+            for change in changes:
+                if change.dropped:
+                    self._dropped += 1
+                else:
+                    self._sanitized += 1
+                if (what, change.key) not in self._warned:
+                    self._warned.add((what, change.key))
+                    fresh.append(change)
+        for change in fresh:
+            if change.dropped:
+                logger.warning("run %s: %s %r not logged: %s (warned once per key; counted in "
+                               "the run's tag %s)", self.run_key, what, change.key,
+                               change.reason, validation.DROPPED_VALUES_TAG)
+            else:
+                logger.warning("run %s: %s %r logged as %r: %s (warned once per key; counted "
+                               "in the run's tag %s)", self.run_key, what, change.key,
+                               change.logged_as, change.reason,
+                               validation.SANITIZED_VALUES_TAG)
 
     # --- params and tags ----------------------------------------------------------------------
     def log_param(self, key: str, value: Any, synchronous: bool | None = None) -> Any:
@@ -346,47 +366,36 @@ class Tracker:
         Raises:
             TrackingValidationError: (``strict``) a key is illegal, a value too long, or a param
                 was already logged with a different value (MLflow params are immutable); the
-                others were kept. With ``strict=False``: keys repaired, long values cut to
-                MLflow's limit, changed values dropped; each warned once and counted.
+                others were kept. With ``strict=False``: keys made legal, long values cut to
+                MLflow's limit, changed values kept as first logged; each warned once, counted.
         """
+        if not strict:
+            params, changes = validation.sanitize_params(params)
+            self._corrected("param", changes)
         problems: dict[str, str] = {}
         accepted: dict[str, str] = {}
         with self._lock:
             for key, value in params.items():
-                name = key
                 problem = validation.key_problem(key)
-                if problem and not strict:
-                    name = validation.sanitize_key(key)
-                    self._lenient(str(key), f"param {key!r} stored as {name!r}: {problem}")
-                    problem = None
                 text = ""
                 if not problem:
                     text, problem = validation.param_value(value)
-                    if problem and not strict:
-                        text = validation.truncate_param(value)
-                        self._lenient(f"param:{name}", f"param {name!r} cut to {len(text)} "
-                                      f"characters: {problem}")
-                        problem = None
-                if not problem and name in self._logged_params and (
-                        self._logged_params[name] != text):
+                if not problem and key in self._logged_params and (
+                        self._logged_params[key] != text):
                     problem = (
-                        f"already logged as {self._logged_params[name]!r}, cannot change to "
+                        f"already logged as {self._logged_params[key]!r}, cannot change to "
                         f"{text!r} (MLflow params are immutable; log a new key or use a tag)")
-                    if not strict:
-                        self._lenient(f"param:{name}", f"param {name!r} kept: {problem}")
-                        continue
                 if problem:
                     problems[str(key)] = problem
                 else:
-                    accepted[name] = text
+                    accepted[key] = text
             new = {k: v for k, v in accepted.items() if k not in self._logged_params}
             self._logged_params.update(accepted)
         if self._writes_params and new:
             self._delivery.add_params(new)
         if synchronous:
             self.flush()
-        if problems:
-            raise TrackingValidationError(problems)
+        self._refused("param", problems, strict)
 
     def set_tag(self, key: str, value: Any, synchronous: bool | None = None) -> None:
         """Set one tag. See :meth:`set_tags`."""
@@ -398,32 +407,32 @@ class Tracker:
 
         Raises:
             TrackingValidationError: (``strict``) a key is illegal or a value is not a scalar;
-                others kept.
+                others kept. With ``strict=False``: keys made legal, other values dropped;
+                each warned once and counted.
         """
         problems: dict[str, str] = {}
         accepted: dict[str, str] = {}
         for key, value in tags.items():
-            problem = validation.key_problem(key)
             name = key
-            if problem and not strict:
-                name = validation.sanitize_key(key)
-                self._lenient(str(key), f"tag {key!r} stored as {name!r}: {problem}")
-                problem = None
+            if not strict:
+                fixed, reason = validation.legal_key(key)
+                if reason:
+                    self._corrected("tag", [validation.Sanitized(str(key), fixed, reason)])
+                if fixed is None:
+                    continue
+                name = fixed
+            problem = validation.key_problem(name)
             text = ""
             if not problem:
                 text, problem = validation.tag_value(value)
-            if problem and not strict:
-                self._lenient(f"tag:{name}", f"tag {name!r} dropped: {problem}")
-                continue
             if problem:
-                problems[str(key)] = problem
+                problems[str(name)] = problem
             else:
                 accepted[name] = text
         self._delivery.add_tags(accepted)
         if synchronous:
             self.flush()
-        if problems:
-            raise TrackingValidationError(problems)
+        self._refused("tag", problems, strict)
 
     # --- artifacts ----------------------------------------------------------------------------
     def log_artifact(self, local_path: str | os.PathLike[str], artifact_path: str | None = None
@@ -640,13 +649,20 @@ class Tracker:
             if text:
                 self._open_delivery.add_log(self._policy.log_name, text)
         with self._lock:
-            count, changed = self._sanitized, self._sanitized != self._sanitized_sent
-            self._sanitized_sent = count
+            counts = (self._sanitized, self._dropped)
+            changed = counts != self._counts_sent
+            self._counts_sent = counts
             step = max(0, self._next_step - 1)
         if changed:
-            self._open_delivery.add_tags({SANITIZED_TAG: str(count)})
-            self._open_delivery.add_points([(SANITIZED_METRIC, float(count),
-                                        int(time.time() * 1000), step)])
+            # In all_ranks mode every rank counts its own (tags of one run would overwrite).
+            suffix = f".rank_{self.rank}" if self.mode == "all_ranks" and self.rank is not None \
+                else ""
+            stamp = int(time.time() * 1000)
+            self._open_delivery.add_tags({validation.SANITIZED_VALUES_TAG + suffix: str(counts[0]),
+                                          validation.DROPPED_VALUES_TAG + suffix: str(counts[1])})
+            self._open_delivery.add_points([
+                (self._policy.metric_key(SANITIZED_METRIC), float(counts[0]), stamp, step),
+                (self._policy.metric_key(DROPPED_METRIC), float(counts[1]), stamp, step)])
 
     # --- end ----------------------------------------------------------------------------------
     def finish(self, status: str = "FINISHED", timeout_s: float | None = None,

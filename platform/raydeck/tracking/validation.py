@@ -8,9 +8,10 @@ Limits come from MLflow itself so they track the installed version.
 Two ways to apply them. A direct ``tracker.log_*`` call is *strict*: a bad key or value raises
 :class:`~raydeck.errors.TrackingValidationError` naming the key and the fix (a programmer error,
 best seen at once). raydeck's own paths (``report_epoch``, ``restore``, the Lightning logger,
-Tune reports) are *lenient* (``strict=False``): they repair what MLflow would refuse with
-:func:`sanitize_key` and :func:`truncate_param`, drop what cannot be repaired, warn once per key
-and count it, because training must never die for tracking.
+Tune reports) are *lenient* (``strict=False``): they repair what MLflow would refuse as Lightning's
+``MLFlowLogger`` does (:func:`legal_key`, :func:`truncated_param`, :func:`sanitize_metrics`),
+drop what cannot be repaired, warn once per key and count it, because training must never die
+for tracking.
 
 NaN and infinity: by default (``RAYDECK_TRACKING_NONFINITE=keep``) they are stored as MLflow
 stores them (NaN as NaN, +-inf as the largest double); with ``error`` a strict call rejects them.
@@ -18,10 +19,14 @@ stores them (NaN as NaN, +-inf as the largest double); with ``error`` a strict c
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import posixpath
 import re
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from mlflow.utils.validation import (
@@ -31,7 +36,6 @@ from mlflow.utils.validation import (
 )
 
 _KEY_CHARS = re.compile(r"^[/\w.\- :]+$")
-_BAD_KEY_CHAR = re.compile(r"[^/\w.\- :]")
 KEY_RULE = "keys may only hold letters, digits, _ - . : / and spaces"
 
 
@@ -44,19 +48,11 @@ def key_problem(key: Any) -> str | None:
     if len(key) > MAX_ENTITY_KEY_LENGTH:
         return f"keys may be at most {MAX_ENTITY_KEY_LENGTH} characters (got {len(key)})"
     if not _KEY_CHARS.match(key):
-        return f"{KEY_RULE} (e.g. {sanitize_key(key)!r})"
+        return f"{KEY_RULE} (e.g. {legal_key(key)[0]!r})"
     normalized = posixpath.normpath(key)
     if normalized != key or normalized.startswith(("..", "/")):
         return "keys must be normalized paths: no leading '/', no '..', '//' or trailing '/'"
     return None
-
-
-def sanitize_key(key: Any) -> str:
-    """An MLflow-legal key close to ``key``: other characters become ``_``, the path is
-    normalized (no empty, ``.`` or ``..`` parts) and cut to MLflow's length limit."""
-    text = _BAD_KEY_CHAR.sub("_", str(key))
-    parts = [part for part in text.split("/") if part not in ("", ".", "..")]
-    return ("/".join(parts) or "_")[:MAX_ENTITY_KEY_LENGTH]
 
 
 def metric_value(value: Any, keep_nonfinite: bool) -> tuple[float, str | None]:
@@ -104,12 +100,6 @@ def param_value(value: Any) -> tuple[str, str | None]:
     return text, None
 
 
-def truncate_param(value: Any) -> str:
-    """``value`` as param text cut to MLflow's limit (what lenient paths store)."""
-    text = value if isinstance(value, str) else str(value)
-    return text[:MAX_PARAM_VAL_LENGTH]
-
-
 def tag_value(value: Any) -> tuple[str, str | None]:
     """``value`` as a tag string, or the rule it breaks. Only scalars are tags."""
     if isinstance(value, str):
@@ -148,3 +138,155 @@ def artifact_file_problem(artifact_file: str) -> str | None:
     if name in ("", ".", ".."):
         return f"artifact_file {artifact_file!r} must end with a file name"
     return artifact_dir_problem(artifact_file) or artifact_dir_problem(directory)
+
+
+# --- Sanitizing: what raydeck's own integrations do instead of raising ------------------------
+# A key or value MLflow would refuse must not abort a training job that raydeck's integrations
+# (the Lightning logger, report_epoch, Tune reports) log for the user. They make it legal the
+# way Lightning's own MLFlowLogger does (remove the characters MLflow refuses, cut long params),
+# warn once per key and count what they changed or dropped on the run under these tags.
+
+SANITIZED_VALUES_TAG = "raydeck.sanitized_values"
+DROPPED_VALUES_TAG = "raydeck.dropped_values"
+
+_ILLEGAL_KEY_CHARS = re.compile(r"[^/\w.\- :]+")
+# A key cut to MLflow's length limit ends with "-" and this many hex digits of a CRC of the
+# whole key, so two long keys that share a prefix stay two keys.
+KEY_DIGEST_CHARS = 8
+
+
+@dataclass(frozen=True)
+class Sanitized:
+    """One value a lenient path changed or dropped: ``key`` as given, ``logged_as`` the key it
+    was logged under (None: dropped), ``reason`` the rule it broke and what was done."""
+
+    key: str
+    logged_as: str | None
+    reason: str
+
+    @property
+    def dropped(self) -> bool:
+        return self.logged_as is None
+
+
+def _normalized_key_path(key: str) -> str:
+    path = "/".join(part for part in key.split("/") if part not in ("", ".", ".."))
+    # MLflow refuses any key starting with "..", also "..x" (it could climb out of a directory).
+    return path.lstrip(".") if path.startswith("..") else path
+
+
+def legal_key(key: Any) -> tuple[str | None, str | None]:
+    """``key`` as a metric, param or tag name MLflow accepts, and why it had to change.
+
+    The rules, in order: a key that is not a str becomes its ``str()``; characters MLflow
+    refuses are removed, as Lightning's ``MLFlowLogger`` does (``recall@5`` -> ``recall5``;
+    MLflow's ``:`` and non-ASCII letters stay); the path is normalized (empty, ``.`` and ``..``
+    segments dropped, so no leading or trailing ``/``); a key longer than MLflow's limit is cut
+    and ends with ``-`` and :data:`KEY_DIGEST_CHARS` hex digits of the whole key's CRC32.
+
+    Returns:
+        ``(key, None)`` when ``key`` is legal as it is; ``(new_key, reason)`` when it changed;
+        ``(None, reason)`` when nothing legal is left (``"@@"``): the value is to be dropped.
+    """
+    if isinstance(key, str):
+        return _legal_str_key(key)
+    return _legalized(key)
+
+
+# Integrations log the same few keys every step: remember the answer (strings only, bounded).
+LEGAL_KEY_CACHE_SIZE = 4096
+
+
+@functools.lru_cache(maxsize=LEGAL_KEY_CACHE_SIZE)
+def _legal_str_key(key: str) -> tuple[str | None, str | None]:
+    return (key, None) if key_problem(key) is None else _legalized(key)
+
+
+def _legalized(key: Any) -> tuple[str | None, str | None]:
+    reasons: list[str] = []
+    text = key if isinstance(key, str) else str(key)
+    if not isinstance(key, str):
+        reasons.append(f"keys must be str, got {type(key).__name__}")
+    removed = "".join(sorted(set("".join(_ILLEGAL_KEY_CHARS.findall(text)))))
+    if removed:
+        text = _ILLEGAL_KEY_CHARS.sub("", text)
+        reasons.append(f"removed {removed!r} ({KEY_RULE})")
+    normalized = _normalized_key_path(text)
+    if normalized != text:
+        text = normalized
+        reasons.append("normalized the path (no leading '/' or '..', no '//', '/./', '/../' or "
+                       "trailing '/')")
+    if len(text) > MAX_ENTITY_KEY_LENGTH:
+        digest = f"{zlib.crc32(text.encode()):0{KEY_DIGEST_CHARS}x}"
+        head = _normalized_key_path(text[:MAX_ENTITY_KEY_LENGTH - KEY_DIGEST_CHARS - 1])
+        reasons.append(f"cut to {MAX_ENTITY_KEY_LENGTH} characters (was {len(text)})")
+        text = f"{head}-{digest}"
+    if not text:
+        return None, "; ".join([*reasons, "nothing legal is left"])
+    return text, "; ".join(reasons)
+
+
+def truncated_param(value: Any) -> tuple[str, str | None]:
+    """``value`` as param text MLflow accepts: its ``str()``, cut to MLflow's length limit.
+
+    Returns:
+        ``(text, None)`` when it fits; ``(first MAX_PARAM_VAL_LENGTH characters, reason)``
+        when it was cut (Lightning's ``MLFlowLogger`` cuts every param to 250 characters).
+    """
+    text = value if isinstance(value, str) else str(value)
+    if len(text) <= MAX_PARAM_VAL_LENGTH:
+        return text, None
+    return text[:MAX_PARAM_VAL_LENGTH], (
+        f"param values may be at most {MAX_PARAM_VAL_LENGTH} characters; cut from {len(text)}"
+    )
+
+
+def _clash(reason: str | None, name: str | None) -> str:
+    """Why a value was dropped: nothing legal left (``name`` None), or its key clashes."""
+    if name is None:
+        return reason or ""
+    clash = f"another key of the same call is logged as {name!r}"
+    return f"{reason}; {clash}" if reason else clash
+
+
+def sanitize_metrics(metrics: Mapping[Any, Any]) -> tuple[dict[str, float], list[Sanitized]]:
+    """The metric values of ``metrics`` that MLflow accepts, and what was changed or dropped.
+
+    Keys go through :func:`legal_key`; a key renamed onto one that is already in the result
+    is dropped (the first value wins). Values must be numbers (:func:`metric_value`; ``bool``
+    counts as 0.0/1.0 as in MLflow); strings, None and multi-element tensors are dropped.
+    Non-finite values are kept: whether they are stored is the tracker's NaN policy.
+    """
+    clean: dict[str, float] = {}
+    changes: list[Sanitized] = []
+    for key, value in metrics.items():
+        name, reason = legal_key(key)
+        if name is None or name in clean:
+            changes.append(Sanitized(str(key), None, _clash(reason, name)))
+            continue
+        number, problem = metric_value(float(value) if isinstance(value, bool) else value, True)
+        if problem:
+            changes.append(Sanitized(str(key), None, problem))
+            continue
+        clean[name] = number
+        if reason:
+            changes.append(Sanitized(str(key), name, reason))
+    return clean, changes
+
+
+def sanitize_params(params: Mapping[Any, Any]) -> tuple[dict[str, str], list[Sanitized]]:
+    """The params of ``params`` as MLflow accepts them (text; see :func:`legal_key` and
+    :func:`truncated_param`), and what was changed or dropped. A key renamed onto one already
+    in the result is dropped."""
+    clean: dict[str, str] = {}
+    changes: list[Sanitized] = []
+    for key, value in params.items():
+        name, key_reason = legal_key(key)
+        if name is None or name in clean:
+            changes.append(Sanitized(str(key), None, _clash(key_reason, name)))
+            continue
+        clean[name], value_reason = truncated_param(value)
+        reason = "; ".join(r for r in (key_reason, value_reason) if r)
+        if reason:
+            changes.append(Sanitized(str(key), name, reason))
+    return clean, changes
