@@ -285,7 +285,9 @@ def test_a_sigtermed_driver_ends_its_run_killed_with_its_data(ray_cluster: None,
     run_id = read_line_with(driver, "RUN ")
     driver.send_signal(signal.SIGTERM)  # what `ray job stop` sends
     driver.communicate(timeout=60)
-    assert driver.returncode == -signal.SIGTERM
+    # Ray's own SIGTERM handler in a driver exits with the signal's number (raydeck's runs
+    # first, then hands over to it).
+    assert driver.returncode in (signal.SIGTERM, -signal.SIGTERM)
     wait_until(lambda: mlflow_client.get_run(run_id).info.status != "RUNNING", 60,
                "run ended")
     assert mlflow_client.get_run(run_id).info.status == "KILLED"
