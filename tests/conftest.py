@@ -34,6 +34,7 @@ TEST_ENV = {
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 RAY_NUM_CPUS = 4
+RAY_START_ATTEMPTS = 3
 
 
 @pytest.fixture(scope="session")
@@ -78,9 +79,18 @@ def ray_cluster(raydeck_env: dict[str, str]) -> Iterator[None]:
     # Ray's dashboard writes the Prometheus service-discovery file and Ray's Grafana dashboards
     # (the observability tests read both); metrics export itself works without it.
     # address="local": a cluster of its own, even if `ray start` runs on this machine.
-    ray.init(address="local", num_cpus=RAY_NUM_CPUS,
-             runtime_env=job_runtime_env(load_settings()),
-             include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
+    for attempt in range(RAY_START_ATTEMPTS):
+        try:
+            ray.init(address="local", num_cpus=RAY_NUM_CPUS,
+                     runtime_env=job_runtime_env(load_settings()),
+                     include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
+            break
+        except Exception as exc:
+            # Ray gives its raylet 30 s to register, hard-coded; on a machine loaded by other
+            # work that is sometimes too short. Nothing of ours has run yet: start again.
+            if "timed out during startup" not in str(exc) or attempt == RAY_START_ATTEMPTS - 1:
+                raise
+            ray.shutdown()
     yield
     ray.shutdown()
 

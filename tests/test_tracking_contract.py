@@ -91,7 +91,8 @@ def _router_runs(settings: Settings) -> dict[str, dict[str, Any]]:
     from raydeck.tracking.proxy import find_router
 
     router = find_router(settings.ray_namespace)
-    assert router is not None
+    if router is None:  # not created yet
+        return {}
     return {run["key"]: run for run in ray.get(router.status.remote(), timeout=60)["runs"]}
 
 
@@ -333,7 +334,7 @@ def _restarting_train_fn(config: dict[str, Any]) -> None:
     from raydeck.checkpointing import report_epoch, restore
 
     marker = Path(config["marker"])
-    tracker = raydeck.get_tracker()
+    tracker = raydeck.get_tracker(settings=config["settings"])
     model = torch.nn.Linear(2, 1)
     state = restore(tracker, model=model)
     rank = ray.train.get_context().get_world_rank()
@@ -376,7 +377,8 @@ def test_a_worker_group_restarted_while_mlflow_is_down_completes(
     try:
         TorchTrainer(
             _restarting_train_fn,
-            train_loop_config={"marker": str(tmp_path / "died"), "mlflow_down": str(mlflow_down)},
+            train_loop_config={"marker": str(tmp_path / "died"), "mlflow_down": str(mlflow_down),
+                               "settings": settings},
             scaling_config=ScalingConfig(num_workers=2),
             run_config=tracker.run_config(
                 storage_path=checkpoint_storage_path(settings),

@@ -425,13 +425,15 @@ class Delivery:
                 self.reconnect()
         self._heartbeat_ref = self._router.heartbeat.remote([self._request.client_id])
 
-    def detach(self, status: str, deadline: float) -> None:
-        """Leave the run. Retries until ``deadline``; the router presumes us gone otherwise."""
+    def detach(self, status: str, deadline: float) -> list[str]:
+        """Leave the run; returns the keys of runs this ended. Retries until ``deadline``
+        (the router presumes this process gone otherwise)."""
         while True:
             try:
-                ray.get(self._router.detach.remote(self._request.client_id, status),
-                        timeout=max(0.1, deadline - time.monotonic()))
-                return
+                ended: list[str] = ray.get(
+                    self._router.detach.remote(self._request.client_id, status),
+                    timeout=max(0.1, deadline - time.monotonic()))
+                return ended
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 if time.monotonic() >= deadline:
                     raise TrackingUnavailableError(

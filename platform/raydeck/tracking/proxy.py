@@ -132,8 +132,8 @@ class Router:
         return self.core.heartbeat(client_ids)
 
     @ray.method(concurrency_group="io")
-    def detach(self, client_id: str, status: str) -> None:
-        self.core.detach(client_id, status)
+    def detach(self, client_id: str, status: str) -> list[str]:
+        return self.core.detach(client_id, status)
 
     @ray.method(concurrency_group="io")
     def end_run(self, key: str, status: str, tags: dict[str, str]) -> bool:

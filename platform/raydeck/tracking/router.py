@@ -314,17 +314,22 @@ class RouterCore:
                     run.participants[client_id].last_seen = now
         return unknown
 
-    def detach(self, client_id: str, status: str) -> None:
-        """A tracker left. The run ends only when its primary has and nobody is left."""
+    def detach(self, client_id: str, status: str) -> list[str]:
+        """A tracker left. The run ends only when its primary has and nobody is left.
+
+        Returns the keys of the runs this ended (the run, per-rank children), so the caller
+        can wait until their end is written.
+        """
         _check_status(status)
         with self._lock:
             key = self._by_client.get(client_id)
             run = self._runs.get(key) if key else None
             if run is None or client_id not in run.participants:
-                return
+                return []
             controls = self._drop(run, client_id, status=status)
             controls += self._maybe_end(run)
         self._deliver(controls)
+        return [c.run_key for c in controls if c.kind == "end"]
 
     def end_run(self, key: str, status: str, tags: dict[str, str]) -> bool:
         """End a run for a supervisor that knows better than its processes (Tune's scheduler).

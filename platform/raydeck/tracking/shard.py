@@ -76,6 +76,10 @@ IDLE_WAKE_S = 1.0
 BACKOFF_FIRST_S = 0.25
 BACKOFF_MAX_S = 5.0
 UNCLASSIFIED_MAX_ATTEMPTS = 8
+# A file the artifact store answers 5xx to this many times, while it accepted other files
+# since, is refused for good (MLflow's artifact proxy answers a bare 500 for both "this path
+# can never exist" and "my S3 is down"; only the second lets other uploads through).
+REFUSED_FILE_ATTEMPTS = 6
 PARENT_WAIT_S = 3600.0
 LOG_UPLOAD_INTERVAL_S = 30.0
 LOG_PART_MIN_BYTES = 1024 * 1024
@@ -151,9 +155,12 @@ class _RunQueue:
         self.backoff_until = 0.0
         self.attempts = 0
         self.unclassified: dict[int, int] = {}
+        # Per file entity: failed attempts, monotonic time of the first, retry not before.
+        self.file_retry: dict[int, tuple[int, float, float]] = {}
         self.log_due = False
         self.log_since: float | None = None
         self.last_error = ""
+        self.warned = ""  # the last error warned about, so a repeating one is logged once
         self.failed_open = ""
         self.waiting_parent_since: float | None = None
 
@@ -260,6 +267,7 @@ class ShardCore:
         self._cross_rank = _CrossRank()
         self._stopping = False
         self._recovered = 0
+        self._last_upload_ok = 0.0
         self._load_backlog()
         self._threads = [
             threading.Thread(target=self._write_forever, name=f"raydeck-shard-{config.index}-w{i}",
@@ -449,6 +457,7 @@ class ShardCore:
                      else WriterState.WRITING if self._busy_writers else WriterState.IDLE)
         return {
             "index": self.config.index,
+            "pid": os.getpid(),
             "state": state.value,
             "points_received": self.received,
             "points_written": self.written,
@@ -536,6 +545,7 @@ class ShardCore:
         meta: list[int] = []
         meta_kind = ""
         before_clear = True  # nothing before this entity is pending or in flight
+        waiting_paths: set[tuple[str, str]] = set()  # of files backing off, in order
         for entity_id, kind, n in window:
             if entity_id in run.in_flight:
                 before_clear = False
@@ -555,7 +565,7 @@ class ShardCore:
                     meta.append(entity_id)
                     meta_kind = kind
             elif kind == KIND_FILE:
-                if not run.file_busy:
+                if not run.file_busy and self._file_ready(run, entity_id, now, waiting_paths):
                     run.file_busy = True
                     return self._take(run, "file", [entity_id])
             elif kind == KIND_LOG and logs_due and not run.log_busy:
@@ -571,6 +581,23 @@ class ShardCore:
             run.meta_busy = True
             return self._take(run, "meta", meta)
         return None
+
+    def _file_ready(self, run: _RunQueue, entity_id: int, now: float,
+                    waiting_paths: set[tuple[str, str]]) -> bool:
+        """Whether a file may upload now: not backing off, and no earlier file of the same
+        path is (files of one run upload in any order, but one path keeps its order)."""
+        retry = run.file_retry.get(entity_id)
+        if retry is None and not waiting_paths:
+            return True
+        loaded = self.spool.load(run.key, [entity_id])
+        if not loaded:
+            return False
+        entity = loaded[0]
+        path = (entity.payload.artifact_dir, entity.payload.name)
+        if retry is not None and retry[2] > now:
+            waiting_paths.add(path)
+            return False
+        return path not in waiting_paths
 
     @staticmethod
     def _take(run: _RunQueue, action: str, ids: list[int]) -> _Work:
@@ -602,7 +629,7 @@ class ShardCore:
                         run, run.record, entities)
                 done = [(e.kind, e.n) for e in entities]
         except TransientWriteError as exc:
-            self._failed(work, str(exc))
+            self._failed(work, str(exc), exc.answered)
             return
         except PermanentWriteError as exc:
             # A refusal outside the places that set aside exactly one value: set aside what
@@ -718,6 +745,9 @@ class ShardCore:
             self._set_aside(entity, KIND_FILE, str(exc))
             return 0
         self.spool.remove(entities)
+        with self._cv:
+            self._last_upload_ok = time.monotonic()
+            run.file_retry.pop(entity.id, None)
         return 1
 
     def _write_end(self, run: _RunQueue, record: RunRecord, entities: list[Entity]) -> int:
@@ -843,42 +873,62 @@ class ShardCore:
         elif work.action == "logs":
             run.log_busy = False
 
-    def _failed(self, work: _Work, reason: str) -> None:
-        """A transient failure: the run backs off (others go on); its entities stay queued."""
+    def _failed(self, work: _Work, reason: str, answered: bool = False) -> None:
+        """A transient failure: the run backs off (others go on); its entities stay queued.
+
+        A failing file backs off alone (the run's other data and files go on), and is set
+        aside by the evidence rule of :data:`REFUSED_FILE_ATTEMPTS`.
+        """
         run = work.run
-        give_up: list[int] = []
+        now = time.monotonic()
+        give_up: dict[int, str] = {}
         if ": unclassified " in reason or reason.startswith("unclassified"):
             for entity_id in work.ids:
                 run.unclassified[entity_id] = run.unclassified.get(entity_id, 0) + 1
                 if run.unclassified[entity_id] >= UNCLASSIFIED_MAX_ATTEMPTS:
-                    give_up.append(entity_id)
+                    give_up[entity_id] = (f"failed {UNCLASSIFIED_MAX_ATTEMPTS} times with an "
+                                          f"error raydeck cannot classify: {reason}")
         with self._cv:
-            first = run.attempts == 0
-            run.attempts += 1
-            run.backoff_until = time.monotonic() + min(
-                BACKOFF_MAX_S, BACKOFF_FIRST_S * (2 ** min(run.attempts - 1, 8)))
+            if work.action == "file":
+                [entity_id] = work.ids
+                attempts, first, _ = run.file_retry.get(entity_id, (0, now, 0.0))
+                attempts += 1
+                run.file_retry[entity_id] = (attempts, first, now + _backoff_s(attempts))
+                if answered and attempts >= REFUSED_FILE_ATTEMPTS and self._last_upload_ok > first:
+                    give_up[entity_id] = (
+                        f"the artifact store answered an error {attempts} times for this file "
+                        f"while it accepted other files: {reason}")
+            else:
+                run.attempts += 1
+                run.backoff_until = now + _backoff_s(run.attempts)
+            first_failure = run.warned != reason
+            run.warned = reason
             run.last_error = reason
             self.last_error = reason
             self.transient_errors += 1
             self._release_locked(run, work)
             self._cv.notify_all()
         self.metrics.count_error("transient")
-        if first:
+        if first_failure:
             logger.warning("shard %d: writing run %s failed, retrying with backoff: %s",
                            self.config.index, run.key, reason)
         if give_up:
-            entities = self.spool.load(run.key, give_up)
+            entities = self.spool.load(run.key, list(give_up))
             for entity in entities:
-                self._set_aside(entity, entity.kind,
-                                f"failed {UNCLASSIFIED_MAX_ATTEMPTS} times with an error "
-                                f"raydeck cannot classify: {reason}")
-            self._finished(_Work(run, "fail", give_up), [(e.kind, e.n) for e in entities], 0)
+                self._set_aside(entity, entity.kind, give_up[entity.id])
+                run.file_retry.pop(entity.id, None)
+            self._finished(_Work(run, "fail", list(give_up)),
+                           [(e.kind, e.n) for e in entities], 0)
 
     def _report_levels(self) -> None:
         with self._cv:
             depth = sum(run.entities for run in self._runs.values())
             recovered = self._recovered
         self.metrics.set_levels(depth, self.spool.size_bytes(), recovered)
+
+
+def _backoff_s(attempts: int) -> float:
+    return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * (2 ** min(attempts - 1, 8)))
 
 
 def _sum_pending(items: list[Pending]) -> Pending:

@@ -702,7 +702,15 @@ class Tracker:
             except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
                 report = LandedReport(False, self._open_delivery.buffered())
         delivery = self._open_delivery
-        delivery.detach(status, max(deadline, time.monotonic() + 10))
+        ended = delivery.detach(status, max(deadline, time.monotonic() + 10))
+        if wait and ended and report.landed:
+            # This process ended the run: return once MLflow shows it ended.
+            left = max(1.0, deadline - time.monotonic())
+            with contextlib.suppress(ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                end = ray.get(delivery.shard().wait_landed.remote(ended, left),
+                              timeout=left + 10)
+                report = LandedReport(end.landed, end.pending, report.dead_letters + tuple(
+                    d for d in end.dead_letters if d not in report.dead_letters))
         self._finished = True
         self._report = report
         forget(self)

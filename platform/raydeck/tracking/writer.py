@@ -44,10 +44,21 @@ _PERMANENT_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno
                      errno.ENOENT}
 _S3_CODE_IN_TEXT = re.compile(r"An error occurred \(([\w.]+)\)")
 _ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]")
+# A server that answered with an error status (not one that could not be reached).
+_ANSWERED_IN_TEXT = re.compile(r"too many \d{3} error responses|Response body|error code \d{3}")
 
 
 class TransientWriteError(Exception):
-    """MLflow or the artifact store is unreachable or overloaded; retry the same data later."""
+    """MLflow or the artifact store is unreachable or overloaded; retry the same data later.
+
+    ``answered`` is True when a server did answer (with a 5xx), as opposed to not being
+    reachable: the shard's evidence rule for artifact stores that answer 500 to a file they
+    will never take (MLflow's artifact proxy says nothing more) needs the difference.
+    """
+
+    def __init__(self, message: str, answered: bool = False) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 class PermanentWriteError(Exception):
@@ -58,6 +69,7 @@ class PermanentWriteError(Exception):
 class Verdict:
     transient: bool
     reason: str
+    answered: bool = False
 
 
 class FailurePolicy:
@@ -85,12 +97,14 @@ class FailurePolicy:
             status = exc.get_http_status_code()
             if status >= 500 or status in (408, 429):
                 # The tracking server answers 500 for everything its artifact proxy fails at,
-                # permanent or not; the message keeps the OS error number or the S3 code.
+                # permanent or not; the message may keep the OS error number or the S3 code.
                 by_text = _verdict_from_text(str(exc), text)
                 if by_text is not None:
                     return by_text
-                return None if exc.__cause__ is not None else Verdict(True, text)
-            return Verdict(False, text)
+                if exc.__cause__ is not None:
+                    return None
+                return Verdict(True, text, answered=_ANSWERED_IN_TEXT.search(str(exc)) is not None)
+            return Verdict(False, text, answered=True)
         name = type(exc).__name__
         module = type(exc).__module__
         if module.startswith("botocore"):
@@ -100,7 +114,7 @@ class FailurePolicy:
                 status = getattr(exc, "response", {}).get("ResponseMetadata", {}).get(
                     "HTTPStatusCode", 0)
                 transient = code in _TRANSIENT_S3_CODES or int(status or 0) >= 500
-                return Verdict(transient, text)
+                return Verdict(transient, text, answered=True)
             if name in ("NoCredentialsError", "PartialCredentialsError",
                         "NoRegionError", "ParamValidationError", "InvalidS3AddressingStyleError"):
                 return Verdict(False, text)
@@ -111,7 +125,7 @@ class FailurePolicy:
             response = getattr(exc, "response", None)
             status = getattr(response, "status_code", None)
             if status is not None:
-                return Verdict(status >= 500 or status in (408, 429), text)
+                return Verdict(status >= 500 or status in (408, 429), text, answered=True)
             return Verdict(True, text)
         if isinstance(exc, (ConnectionError, TimeoutError)):
             return Verdict(True, text)
@@ -168,8 +182,9 @@ class MlflowWriter:
             return fn(*args, **kwargs)
         except Exception as exc:
             verdict = self.policy.classify(exc)
-            error = TransientWriteError if verdict.transient else PermanentWriteError
-            raise error(f"{what}: {verdict.reason}") from exc
+            if verdict.transient:
+                raise TransientWriteError(f"{what}: {verdict.reason}", verdict.answered) from exc
+            raise PermanentWriteError(f"{what}: {verdict.reason}") from exc
 
     # --- values -----------------------------------------------------------------------------
     def log_batch(self, run_id: str, points: Sequence[Point], params: dict[str, str],
@@ -240,8 +255,9 @@ class MlflowWriter:
             except MlflowException as exc:
                 if exc.get_http_status_code() != 404:
                     verdict = self.policy.classify(exc)
-                    error = TransientWriteError if verdict.transient else PermanentWriteError
-                    raise error(f"get_run: {verdict.reason}") from exc
+                    if verdict.transient:
+                        raise TransientWriteError(f"get_run: {verdict.reason}") from exc
+                    raise PermanentWriteError(f"get_run: {verdict.reason}") from exc
         if experiment_ids is None:
             experiments = self._call("search_experiments", self.client.search_experiments,
                                      max_results=1000)
