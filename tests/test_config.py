@@ -52,6 +52,13 @@ def test_bad_values_fail_at_load_naming_the_variable_and_key(env: dict[str, str]
     assert "raydeck.toml" in message
 
 
+def test_a_file_tracking_uri_is_refused_naming_the_sql_alternative() -> None:
+    # MLflow's file store cannot tell a refused value from a failure (INTERNAL_ERROR for
+    # both) and keeps repeated points, so raydeck cannot deliver to it exactly once.
+    with pytest.raises(ConfigError, match=r"sqlite:////path/to/mlflow\.db"):
+        load_settings(env={"RAYDECK_TRACKING_URI": "file:///tmp/mlruns"})
+
+
 def test_unknown_toml_key_is_named(tmp_path: Path) -> None:
     config = tmp_path / "raydeck.toml"
     config.write_text("[tracking]\nshard = 2\n")

@@ -77,6 +77,7 @@ def test_mlflow_methods_move_over_by_renaming_the_object(ray_cluster: None, mlfl
     [dataset_input] = run.inputs.dataset_inputs
     assert dataset_input.dataset.name == "digits-train" and dataset_input.dataset.digest
     assert {t.key: t.value for t in dataset_input.tags}["mlflow.data.context"] == "training"
+    mlflow.set_tracking_uri(mlflow_client.tracking_uri)
     loaded = mlflow.pyfunc.load_model(uri)
     assert list(loaded.predict(frame[["feature"]])) == list(model.predict(frame[["feature"]]))
 

@@ -48,7 +48,7 @@ def key_problem(key: Any) -> str | None:
     if len(key) > MAX_ENTITY_KEY_LENGTH:
         return f"keys may be at most {MAX_ENTITY_KEY_LENGTH} characters (got {len(key)})"
     if not _KEY_CHARS.match(key):
-        return f"{KEY_RULE} (e.g. {legal_key(key)[0]!r})"
+        return f"{KEY_RULE} (e.g. {_legalized(key)[0]!r})"
     normalized = posixpath.normpath(key)
     if normalized != key or normalized.startswith(("..", "/")):
         return "keys must be normalized paths: no leading '/', no '..', '//' or trailing '/'"

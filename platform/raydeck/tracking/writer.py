@@ -75,8 +75,9 @@ class Verdict:
 class FailurePolicy:
     """Classifies every failure MLflow, S3 or the local disk can produce.
 
-    Transient: connection refused or reset, timeouts, HTTP 5xx, 408 and 429, S3 throttling and
-    internal errors, a locked database (MLflow maps it to 503). Permanent: any other 4xx answer
+    Transient: connection refused or reset, timeouts, HTTP 5xx, 401 (credentials), 408 and 429,
+    S3 throttling and internal errors, a locked database (MLflow maps it to 503). Permanent: any
+    other 4xx answer
     (a refused value, a conflicting param, an unknown run, 403 access denied, 413 too large),
     S3's refusals (AccessDenied, NoSuchBucket, InvalidAccessKeyId, EntityTooLarge, ...), missing
     credentials, and OS errors no retry fixes (permission, read-only or full disk). An error of a
@@ -95,7 +96,9 @@ class FailurePolicy:
         text = _short(exc)
         if isinstance(exc, MlflowException):
             status = exc.get_http_status_code()
-            if status >= 500 or status in (408, 429):
+            # 401: the proxy's credentials are missing or expired, which is about the
+            # connection, not the value: retried (loudly) until someone fixes them.
+            if status >= 500 or status in (401, 408, 429):
                 # The tracking server answers 500 for everything its artifact proxy fails at,
                 # permanent or not; the message may keep the OS error number or the S3 code.
                 by_text = _verdict_from_text(str(exc), text)
@@ -108,7 +111,8 @@ class FailurePolicy:
         name = type(exc).__name__
         module = type(exc).__module__
         if module.startswith("botocore"):
-            if name == "ClientError":
+            # ClientError and the per-code subclasses botocore makes (NoSuchBucket, ...).
+            if isinstance(getattr(exc, "response", None), dict):
                 error = getattr(exc, "response", {}).get("Error", {})
                 code = str(error.get("Code", ""))
                 status = getattr(exc, "response", {}).get("ResponseMetadata", {}).get(
