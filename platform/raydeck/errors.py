@@ -63,3 +63,10 @@ class QueryError(MonitoringError):
 
 class JobSubmissionError(RaydeckError):
     """A job cannot run on the cluster as asked (e.g. the cluster's Python lacks raydeck)."""
+
+
+class StackError(RaydeckError):
+    """A service of the one-machine stack (``raydeck up``) cannot start, or its state is unusable.
+
+    The message starts with the service's name and ends with the fix.
+    """
