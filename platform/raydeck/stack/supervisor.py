@@ -20,12 +20,15 @@ Progress goes to an optional event callback (the CLI draws it); this module neve
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
+import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +92,36 @@ def last_log_line(path: Path, mask: Callable[[str], str]) -> str:
     return ""
 
 
+def _raise_terminated(_signum: int, _frame: object) -> None:
+    raise StackError("stack: `raydeck up` received SIGTERM; stopped what it had started")
+
+
+@contextlib.contextmanager
+def _terminate_raises() -> Iterator[None]:
+    """While ``up`` starts services, SIGTERM raises (like Ctrl-C), so the clean-up runs and no
+    service outlives an ``up`` that was killed (a CI timeout, ``timeout 60 raydeck up``)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _terminate_ignored() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 class Stack:
     """The one-machine stack whose state lives in ``<settings.data_dir>/stack``."""
 
@@ -144,20 +177,24 @@ class Stack:
             state.save(self.paths.state_file)
 
             started: list[tuple[Launcher, ProcessRecord]] = []
-            try:
-                for launcher in LAUNCHERS:
-                    if launcher.spec.name in running:
-                        self._events(launcher.spec.name, "already running")
-                        continue
-                    self._start(launcher, ctx, started)
-            except BaseException:
-                for launcher, record in reversed(started):
-                    name = launcher.spec.name
-                    self._events(name, "stopping (this `up` failed)")
-                    processes.stop(record, self.paths.marker, name, launcher.stop_signal)
-                    state.services.pop(name, None)
-                state.save(self.paths.state_file)
-                raise
+            with _terminate_raises():
+                try:
+                    for launcher in LAUNCHERS:
+                        if launcher.spec.name in running:
+                            self._events(launcher.spec.name, "already running")
+                            continue
+                        self._start(launcher, ctx, started)
+                except BaseException:
+                    # A second SIGTERM must not cut the clean-up short.
+                    with _terminate_ignored():
+                        for launcher, record in reversed(started):
+                            name = launcher.spec.name
+                            self._events(name, "stopping (this `up` failed)")
+                            processes.stop(record, self.paths.marker, name,
+                                           launcher.stop_signal)
+                            state.services.pop(name, None)
+                        state.save(self.paths.state_file)
+                    raise
             self._write_connection(ctx)
         return UpReport(started=tuple(launcher.spec.name for launcher, _ in started),
                         wall_time_s=time.perf_counter() - started_at,
