@@ -434,7 +434,10 @@ class JupyterLauncher(Launcher):
                 shutil.copyfile(notebook, target)
 
     def argv(self, ctx: StackContext) -> list[str]:
-        return [str(ctx.bin_dir / "jupyter-lab"), "--no-browser", f"--ServerApp.ip={LOOPBACK}",
+        # JupyterLab refuses root unless told; the stack runs as whoever runs `raydeck up`.
+        root = ["--ServerApp.allow_root=True"] if os.geteuid() == 0 else []
+        return [str(ctx.bin_dir / "jupyter-lab"), *root, "--no-browser",
+                f"--ServerApp.ip={LOOPBACK}",
                 f"--ServerApp.port={ctx.port('jupyter')}", "--ServerApp.port_retries=0",
                 f"--ServerApp.root_dir={ctx.paths.notebooks}",
                 # No network calls for news or updates (and none on an offline machine).

@@ -174,8 +174,11 @@ def free_port() -> int:
 
 
 def port_free(port: int) -> bool:
-    """Whether ``port`` can be bound on the loopback interface (also free of 0.0.0.0 binds)."""
+    """Whether a server could listen on ``port`` on the loopback interface (nothing listens
+    there or on 0.0.0.0). SO_REUSEADDR, as servers set it: a closed connection that left the
+    port in TIME_WAIT does not count."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((LOOPBACK, port))
         except OSError:
