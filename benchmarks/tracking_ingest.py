@@ -196,6 +196,7 @@ def main() -> None:
     rows: list[tuple[str, str, str]] = []
     with tempfile.TemporaryDirectory(prefix="raydeck-bench-") as tmp:
         root = Path(tmp)
+        root.chmod(0o755)  # PostgreSQL runs as the postgres user under root: it must get in
         os.environ.update({
             "RAYDECK_DATA_DIR": str(root / "data"),
             "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "0",
@@ -222,8 +223,8 @@ def main() -> None:
                     server.stop()
             if args.backend in ("postgres", "both"):
                 postgres = PostgresServer(root / "postgres").start()
-                url = postgres.create_database("mlflow")
-                server = MlflowServer(root / "mlflow-pg", backend_store_uri=url, workers=4).start()
+                server = MlflowServer(root / "mlflow-pg", backend_store_uri=postgres.uri,
+                                      workers=4, env=postgres.env).start()
                 try:
                     rows += bench_backend("postgres, 4 workers", server, root / "pg",
                                           args.points_per_worker)

@@ -36,6 +36,11 @@ TEST_ENV = {
 RAY_NUM_CPUS = 4
 RAY_START_ATTEMPTS = 3
 
+# A stack someone started on this machine (`raydeck up`) must not become the suite's MLflow, S3
+# or Ray: its connection file is read by every raydeck process (tests/test_stack.py points
+# its own processes at its own file).
+os.environ["RAYDECK_STACK_FILE"] = ""
+
 
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

@@ -156,7 +156,7 @@ def test_raydeck_services_run_one_image_built_from_this_repository(stack: dict[s
 
     dockerfile = DOCKERFILE.read_text()
     assert f"ARG RAY_IMAGE_TAG={base_tag}\nFROM rayproject/ray:${{RAY_IMAGE_TAG}}" in dockerfile
-    assert re.search(r'pip install \. "psycopg2-binary[^"]*" "boto3[^"]*"', dockerfile)
+    assert re.search(r'pip install \. "psycopg\[binary\][^"]*" "boto3[^"]*"', dockerfile)
     ignored = (ROOT / ".dockerignore").read_text().splitlines()
     for source in re.findall(r"^COPY --chown=\S+ (.+) \S+$", dockerfile, re.M):
         for path in source.split():

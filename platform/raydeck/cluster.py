@@ -7,6 +7,7 @@ Does not own: starting or stopping clusters (``ray start``/compose do that) or j
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -90,6 +91,27 @@ def _beside_submitted_job(runtime_env: dict[str, Any]) -> dict[str, Any]:
     return {**runtime_env, "env_vars": env_vars}
 
 
+def use_stack_auth(address: str | None) -> None:
+    """Make Ray present the stack's token when ``address`` is the running stack's head.
+
+    Ray sends a token on an explicit address only with ``RAY_AUTH_MODE=token`` in the
+    process's environment (and finds it through ``RAY_AUTH_TOKEN_PATH``), so both are set here
+    for the stack's own address, and only when the process chose no mode or token itself. Ray's
+    cached configuration is refreshed, as Ray's own token setup does.
+    """
+    from raydeck.stack.connection import ray_auth_env
+
+    variables = ray_auth_env(address)
+    if not variables:
+        return
+    os.environ.update(variables)
+    try:
+        raylet = importlib.import_module("ray._raylet")
+        raylet.Config.initialize("")
+    except (ImportError, AttributeError):  # a Ray without the cache: the environment suffices
+        pass
+
+
 def connect(
     settings: Settings | None = None,
     *,
@@ -122,6 +144,7 @@ def connect(
             f"cannot reach the Ray cluster at {address!r} ({reason}); start it with `ray start "
             "--head` or set RAYDECK_RAY_ADDRESS / RAY_ADDRESS to a reachable head"
         )
+    use_stack_auth(address)
     try:
         ray.init(
             address=address,
@@ -149,6 +172,7 @@ def connect_existing(address: str) -> None:
 
     reason = unreachable_reason(address)
     if reason is None:
+        use_stack_auth(address)
         try:
             ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
             return

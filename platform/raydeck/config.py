@@ -5,10 +5,12 @@ variable (derived from the section's prefix and the field name), type, default a
 ``raydeck config --markdown`` renders the table README shows, and a test keeps the two equal.
 
 Precedence: environment variable > ``raydeck.toml`` (``$RAYDECK_CONFIG`` or ``./raydeck.toml``) >
-default. Defaults make the embedded mode work with nothing set: a local Ray instance, an MLflow
-SQLite file and artifacts under ``./.raydeck/``. Every value is validated once, at load, and a bad
-one raises :class:`~raydeck.errors.ConfigError` naming the variable, the TOML key and what is
-accepted. Secrets are :class:`Secret` objects whose ``repr``/``str`` never show the value.
+the running stack's connection file (``raydeck up``; ``$RAYDECK_STACK_FILE``, see
+:mod:`raydeck.stack.connection`) > default. Defaults make the embedded mode work with nothing
+set: a local Ray instance, an MLflow SQLite file and artifacts under ``./.raydeck/``. Every value
+is validated once, at load, and a bad one raises :class:`~raydeck.errors.ConfigError` naming the
+variable, the TOML key and what is accepted. Secrets are :class:`Secret` objects whose
+``repr``/``str`` never show the value.
 """
 
 from __future__ import annotations
@@ -340,7 +342,8 @@ def _build(
 def load_settings(
     env: Mapping[str, str] | None = None, config_file: str | Path | None = None
 ) -> Settings:
-    """Read settings from ``env`` (default ``os.environ``) and the TOML file, validated.
+    """Read settings from ``env`` (default ``os.environ``), the TOML file and the running
+    stack's connection file, validated.
 
     Args:
         env: variables to read instead of ``os.environ`` (tests, runtime envs).
@@ -362,6 +365,7 @@ def load_settings(
         document = _read_toml(Path(path))
     elif Path(DEFAULT_CONFIG_FILE).is_file():
         document = _read_toml(Path(DEFAULT_CONFIG_FILE))
+    document = _under(_stack_document(env), document)
 
     tables = {}
     for section in (TrackingSettings, StorageSettings):
@@ -412,3 +416,21 @@ def settings_markdown() -> str:
     for var, key, default, doc in settings_reference():
         lines.append(f"| `{var}` | `{key}` | {f'`{default}`' if default else '(empty)'} | {doc} |")
     return "\n".join(lines)
+
+
+def _stack_document(env: Mapping[str, str]) -> dict[str, Any]:
+    """The running stack's settings (``raydeck up``), in raydeck.toml's shape; ``{}`` if none."""
+    from raydeck.stack.connection import settings_document
+
+    return settings_document(env)
+
+
+def _under(lower: Mapping[str, Any], upper: Mapping[str, Any]) -> dict[str, Any]:
+    """``upper`` (raydeck.toml) over ``lower`` (the stack), table by table."""
+    merged: dict[str, Any] = dict(lower)
+    for key, value in upper.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return merged

@@ -67,3 +67,10 @@ class JobSubmissionError(RaydeckError):
 
 class TrackingSpoolFullError(TrackingUnavailableError):
     """The tracking proxy's spool disk is full: data waits in the logging process for room."""
+
+
+class StackError(RaydeckError):
+    """A service of the one-machine stack (``raydeck up``) cannot start, or its state is unusable.
+
+    The message starts with the service's name and ends with the fix.
+    """

@@ -81,20 +81,25 @@ _AUTH_HINT = (
 # --- the job server -------------------------------------------------------------------------
 def job_server_address(address: str | None = None, env: Mapping[str, str] | None = None) -> str:
     """The job server's URL: ``address``, else ``RAY_API_SERVER_ADDRESS``, else ``RAY_ADDRESS``
-    when it is an ``http(s)://`` URL (as ``ray job submit`` reads them), else the local default.
+    when it is an ``http(s)://`` URL (as ``ray job submit`` reads them), else the running
+    stack's (``raydeck up``), else the local default.
     """
+    from raydeck.stack.connection import job_server
+
     env = os.environ if env is None else env
     for candidate in (address, env.get("RAY_API_SERVER_ADDRESS"), env.get("RAY_ADDRESS")):
         if candidate and (candidate is address or candidate.startswith(("http://", "https://"))):
             return candidate.rstrip("/")
-    return DEFAULT_JOB_SERVER
+    return (job_server(env) or DEFAULT_JOB_SERVER).rstrip("/")
 
 
-def auth_token(env: Mapping[str, str] | None = None) -> Secret | None:
+def auth_token(env: Mapping[str, str] | None = None, job_server: str | None = None
+               ) -> Secret | None:
     """The token to send, following Ray's own rules, read from ``env`` (default ``os.environ``).
 
     ``RAY_AUTH_MODE=disabled``: none. Otherwise ``RAY_AUTH_TOKEN``, else the file named by
-    ``RAY_AUTH_TOKEN_PATH``, else ``~/.ray/auth_token`` if it exists.
+    ``RAY_AUTH_TOKEN_PATH``, else the running stack's token when ``job_server`` is the stack's
+    (never sent anywhere else), else ``~/.ray/auth_token`` if it exists.
 
     Raises:
         ConfigError: ``RAY_AUTH_MODE=token`` but no token was found, or the token file named by
@@ -114,6 +119,12 @@ def auth_token(env: Mapping[str, str] | None = None) -> Secret | None:
             raise ConfigError(
                 f"{AUTH_TOKEN_PATH_ENV}={str(path)!r}: cannot read the token ({exc.strerror})"
             ) from None
+    if job_server is not None:
+        from raydeck.stack.connection import token_for
+
+        stack_token = token_for(job_server, env)
+        if stack_token is not None:
+            return stack_token
     default = Path(env.get("HOME") or Path.home()) / DEFAULT_TOKEN_PATH
     if default.is_file():
         return Secret(default.read_text().strip())
@@ -135,7 +146,8 @@ class JobServer:
     @classmethod
     def from_env(cls, address: str | None = None, env: Mapping[str, str] | None = None
                  ) -> JobServer:
-        return cls(job_server_address(address, env), auth_token(env))
+        server = job_server_address(address, env)
+        return cls(server, auth_token(env, job_server=server))
 
     def client(self) -> JobSubmissionClient:
         """A connected ``JobSubmissionClient`` that has shown the token is accepted.

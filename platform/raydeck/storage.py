@@ -17,12 +17,14 @@ Nothing here depends on which S3 server answers: production uses MinIO, tests us
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
 import re
 import socket
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
@@ -76,6 +78,27 @@ def secret_env(storage: StorageSettings) -> dict[str, str]:
         "AWS_DEFAULT_REGION": storage.region,
         "RAYDECK_S3_SECRET_ACCESS_KEY": storage.secret_access_key.reveal(),
     }
+
+
+@contextlib.contextmanager
+def credentials_in_env(storage: StorageSettings) -> Iterator[None]:
+    """:func:`secret_env` in this process's environment for the block, restored after.
+
+    For the driver-side MLflow calls that move artifacts themselves (``log_artifacts`` when a
+    sweep registers its best model): MLflow's S3 artifact store reads its endpoint and
+    credentials from the environment only. A no-op without storage or without the secret.
+    """
+    values = secret_env(storage)
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _join(*parts: str) -> str:

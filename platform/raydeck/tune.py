@@ -652,7 +652,10 @@ def _summarize(grid: Any, config: SweepConfig, parent: Any, job: SweepJob,
                      config.metric: best_score}, "sweep/best_trial.json")
     uri = None
     if config.register_model_as and job.model_factory is not None:
-        uri = _register_best(grid, best, config, job, client, parent)
+        from raydeck.storage import credentials_in_env
+
+        with credentials_in_env(settings.storage):
+            uri = _register_best(grid, best, config, job, client, parent)
     return SweepResult(
         parent_run_id=parent.run_id, best_trial_id=best.trial_id, best_run_id=best.run_id,
         best_config=best.config, best_score=best_score, trials=tuple(trials),

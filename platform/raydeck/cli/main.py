@@ -17,6 +17,7 @@ from raydeck.cli import (
     jobs,
     monitoring,
     presets,
+    stack,
     status,
     storage,
     sweep,
@@ -63,6 +64,10 @@ app.add_typer(settings_cmd.app, name="config")
 app.add_typer(storage.app, name="storage")
 app.add_typer(dashboards.app, name="dashboards")
 app.add_typer(monitoring.app, name="monitoring")
+app.command("up")(stack.up)
+app.command("down")(stack.down)
+app.command("ps")(stack.ps)
+app.command("logs")(stack.logs)
 
 
 def main() -> None:

@@ -1,0 +1,13 @@
+"""The whole platform on one machine, without containers: ``raydeck up`` / ``down`` / ``ps`` /
+``logs``.
+
+The services of ``docker/docker-compose.yml`` as local processes: PostgreSQL, an S3 server
+(SeaweedFS), the MLflow server on both, a Ray head with token authentication, Prometheus and
+JupyterLab. ``services`` defines them (and is checked against the compose file), ``launchers``
+knows how to start and probe each, ``supervisor`` brings them up and down in order,
+``state``/``credentials`` own the state directory, and ``connection`` the file through which
+every raydeck process on the machine finds the running stack.
+
+This package's ``__init__`` imports nothing: :mod:`raydeck.config` reads the connection file
+in every process, Ray workers included.
+"""
