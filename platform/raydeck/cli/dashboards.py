@@ -69,6 +69,7 @@ def push(
     from raydeck.observability.dashboards import load_dashboards
     from raydeck.observability.grafana import push as push_all
     from raydeck.observability.grafana import ray_dashboards
+    from raydeck.redaction import redact_url
 
     if not url:
         raise ConfigError("no Grafana URL: pass --url or set GRAFANA_URL (e.g. "
@@ -78,8 +79,9 @@ def push(
         result = push_all(url, Secret(token), rendered, prometheus_url=datasource_url,
                           ray=ray_dashboards() if ray else None)
     console.print(f"datasource {result.datasource}; {len(result.dashboards)} dashboard(s) pushed:")
+    shown = redact_url(url).rstrip("/")
     for title, path in result.dashboards:
-        console.print(f"  {escape(title)}  {url.rstrip('/')}{path}", soft_wrap=True)
+        console.print(f"  {escape(title)}  {shown}{path}", soft_wrap=True)
 
 
 @app.command("check")

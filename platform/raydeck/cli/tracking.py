@@ -31,6 +31,8 @@ def status() -> None:
     """Runs the proxy holds and each shard's queue, spool and errors."""
     import ray
 
+    from raydeck.redaction import redact_text
+
     router, settings = _router()
     if router is None:
         console.print(f"tracking proxy not running in namespace {settings.ray_namespace!r}")
@@ -47,11 +49,12 @@ def status() -> None:
                    "replay backlog", "errors", "last error"):
         shards.add_column(column)
     for s in info["shards"]:
+        # A shard's last error quotes MLflow, whose messages hold the tracking URI.
         shards.add_row(str(s.get("index")), str(s.get("state")),
                        str(s.get("points_received", "")), str(s.get("points_written", "")),
                        str(s.get("queued_points", "")), str(s.get("spool_bytes", "")),
                        str(s.get("replay_backlog", "")), str(s.get("write_errors", "")),
-                       str(s.get("last_error", ""))[:80])
+                       redact_text(str(s.get("last_error", "")))[:80])
     console.print(runs)
     console.print(shards)
 

@@ -158,9 +158,9 @@ class _GrafanaCalls:
     """Runs grafana-client calls, turning its exceptions into one clear MonitoringError."""
 
     def __init__(self, url: str) -> None:
-        from raydeck.tracking.router import _redact
+        from raydeck.redaction import redact_url
 
-        self.url = _redact(url)
+        self.url = redact_url(url)
 
     def __call__(self, what: str, fn: Any, *args: Any, missing_ok: bool = False,
                  **kwargs: Any) -> Any:
