@@ -43,8 +43,8 @@ _SECRET_WORDS = frozenset({
     "TOKENS", "CREDENTIAL", "CREDENTIALS", "DSN", "APIKEY", "AUTHORIZATION", "COOKIE",
 })
 # ... or when its last word is one of these (``*_API_KEY``, ``*_PRIVATE_KEY``, and the ``*_KEY``
-# partner of a ``*_KEY_ID``; ``BASIC_AUTH``).
-_SECRET_LAST_WORDS = frozenset({"KEY", "AUTH"})
+# partner of a ``*_KEY_ID``; ``BASIC_AUTH``; a presigned URL's ``X-Amz-Signature``).
+_SECRET_LAST_WORDS = frozenset({"KEY", "AUTH", "SIGNATURE"})
 # ... unless its last word says the value only points at the secret (``RAY_AUTH_TOKEN_PATH``)
 # or is an address, whose user-info rule 1 removes.
 _POINTER_LAST_WORDS = frozenset({"PATH", "FILE", "DIR", "MODE", "URL", "URI", "ENABLED"})
@@ -70,8 +70,8 @@ def is_secret_name(name: str) -> bool:
     Secret: a word ``SECRET``, ``PASSWORD``/``PASSWD``/``PASS``, ``TOKEN``, ``CREDENTIAL(S)``,
     ``DSN``, ``AUTHORIZATION`` or ``COOKIE`` anywhere (``AWS_SECRET_ACCESS_KEY``,
     ``MLFLOW_TRACKING_TOKEN``, ``SENTRY_DSN``), a last word ``KEY`` (``*_API_KEY``,
-    ``*_PRIVATE_KEY``, ``B2_APPLICATION_KEY``, the partner of ``B2_APPLICATION_KEY_ID``) or
-    ``AUTH``, and ``*PWD`` except the shell's ``PWD``. Not secret: key ids
+    ``*_PRIVATE_KEY``, ``B2_APPLICATION_KEY``, the partner of ``B2_APPLICATION_KEY_ID``),
+    ``AUTH`` or ``SIGNATURE``, and ``*PWD`` except the shell's ``PWD``. Not secret: key ids
     (``AWS_ACCESS_KEY_ID``), and names ending in ``PATH``, ``FILE``, ``DIR``, ``MODE``, ``URL``,
     ``URI`` or ``ENABLED`` (``RAY_AUTH_TOKEN_PATH`` names a file; ``TOKEN_URL`` an address).
     Case, ``-``, ``.`` and camelCase do not matter (``--api-key``, ``secretAccessKey``).
