@@ -91,7 +91,8 @@ def test_known_secret_values_come_from_the_environment(monkeypatch: pytest.Monke
     assert {"the-s3-secret-value", PASSWORD, "p%40ssword", "p@ssword"} <= known
     assert "false" not in known and "abc" not in known
     # A DSN without a scheme, echoed by some library, is caught by value.
-    assert redact_text(f"cannot connect to bob:{PASSWORD}@db:5432") == f"cannot connect to bob:{MASK}@db:5432"
+    assert redact_text(f"cannot connect to bob:{PASSWORD}@db:5432") == \
+        f"cannot connect to bob:{MASK}@db:5432"
 
 
 def test_env_mappings_mask_secrets_and_strip_credentials() -> None:
@@ -167,7 +168,8 @@ def test_runtime_envs_get_the_tracking_uri_without_credentials() -> None:
     assert PASSWORD in settings.tracking.uri
     env_vars = job_runtime_env(settings)["env_vars"]
     assert env_vars["RAYDECK_TRACKING_URI"] == "http://127.0.0.1:5000"
-    assert PASSWORD not in json.dumps(env_vars) and "the-s3-secret-value" not in json.dumps(env_vars)
+    shown = json.dumps(env_vars)
+    assert PASSWORD not in shown and "the-s3-secret-value" not in shown
 
 
 def test_runtime_env_files_keep_credentials_for_the_cluster_to_fill(tmp_path: Path) -> None:
