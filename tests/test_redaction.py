@@ -87,9 +87,11 @@ def test_known_secret_values_come_from_the_environment(monkeypatch: pytest.Monke
     monkeypatch.setenv("DATABASE_URL", "postgresql://u:p%40ssword@db/x")
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     monkeypatch.setenv("SHORT_SECRET", "abc")
+    monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "true")
+    monkeypatch.setenv("MY_TOKEN_TTL", "3600")
     known = secret_values()
     assert {"the-s3-secret-value", PASSWORD, "p%40ssword", "p@ssword"} <= known
-    assert "false" not in known and "abc" not in known
+    assert not {"false", "abc", "true", "3600"} & known
     # A DSN without a scheme, echoed by some library, is caught by value.
     assert redact_text(f"cannot connect to bob:{PASSWORD}@db:5432") == \
         f"cannot connect to bob:{MASK}@db:5432"

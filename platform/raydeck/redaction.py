@@ -51,6 +51,9 @@ _POINTER_LAST_WORDS = frozenset({"PATH", "FILE", "DIR", "MODE", "URL", "URI", "E
 # Names whose values are addresses: shown with rule 1 applied even without a scheme.
 _ADDRESS_LAST_WORDS = frozenset({"URL", "URI", "ENDPOINT", "ADDRESS", "LOCATION", "HOST"})
 
+# Switch values of secret-named flags (``HF_HUB_DISABLE_IMPLICIT_TOKEN=true``): not secrets, and
+# masking every "true" of a text would garble it.
+_NOT_SECRET_VALUES = frozenset({"true", "false", "yes", "no", "on", "off", "none", "null"})
 _PLACEHOLDER = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
 # scheme://user-info@ : the user-info runs to the last "@" before the path, a space or a quote.
 _URL_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.\-]*://)[^/\s'\"<>]*@")
@@ -121,7 +124,8 @@ def secret_values(env: Mapping[str, str] | None = None) -> set[str]:
     """Secret values known to this process: what :func:`redact_text` masks verbatim.
 
     The values of secret-named variables in ``env`` (default ``os.environ``) and the passwords
-    (or bare tokens) of URLs in any of its values, each at least :data:`MIN_SECRET_CHARS` long.
+    (or bare tokens) of URLs in any of its values, each at least :data:`MIN_SECRET_CHARS` long;
+    numbers and switch words (``true``, ``off``, ...) are not secrets.
     """
     env = os.environ if env is None else env
     found: set[str] = set()
@@ -130,7 +134,9 @@ def secret_values(env: Mapping[str, str] | None = None) -> set[str]:
             found.add(value.strip())
         if "@" in value:
             found.update(_userinfo_secrets(value))
-    return {value for value in found if len(value) >= MIN_SECRET_CHARS}
+    return {value for value in found
+            if len(value) >= MIN_SECRET_CHARS and value.lower() not in _NOT_SECRET_VALUES
+            and not value.isdigit()}
 
 
 def redact_text(text: str, secrets: Iterable[str] | None = None) -> str:
