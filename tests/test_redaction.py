@@ -45,6 +45,7 @@ def test_secret_names(name: str) -> None:
     "AWS_ACCESS_KEY_ID", "RAYDECK_S3_ACCESS_KEY_ID", "B2_APPLICATION_KEY_ID", "RAY_AUTH_MODE",
     "RAY_AUTH_TOKEN_PATH", "AWS_SECRET_ACCESS_KEY_FILE", "TOKENIZERS_PARALLELISM", "PWD",
     "OLDPWD", "RAYDECK_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "OAUTH_TOKEN_URL", "PATH",
+    "key", "Key", "signature",
 ])
 def test_names_that_are_not_secret(name: str) -> None:
     assert not is_secret_name(name)

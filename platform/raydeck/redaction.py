@@ -74,7 +74,8 @@ def is_secret_name(name: str) -> bool:
     ``DSN``, ``AUTHORIZATION`` or ``COOKIE`` anywhere (``AWS_SECRET_ACCESS_KEY``,
     ``MLFLOW_TRACKING_TOKEN``, ``SENTRY_DSN``), a last word ``KEY`` (``*_API_KEY``,
     ``*_PRIVATE_KEY``, ``B2_APPLICATION_KEY``, the partner of ``B2_APPLICATION_KEY_ID``),
-    ``AUTH`` or ``SIGNATURE``, and ``*PWD`` except the shell's ``PWD``. Not secret: key ids
+    ``AUTH`` or ``SIGNATURE`` after another word (a bare ``key=`` or ``signature=`` is far more
+    often code than a credential), and ``*PWD`` except the shell's ``PWD``. Not secret: key ids
     (``AWS_ACCESS_KEY_ID``), and names ending in ``PATH``, ``FILE``, ``DIR``, ``MODE``, ``URL``,
     ``URI`` or ``ENABLED`` (``RAY_AUTH_TOKEN_PATH`` names a file; ``TOKEN_URL`` an address).
     Case, ``-``, ``.`` and camelCase do not matter (``--api-key``, ``secretAccessKey``).
@@ -82,7 +83,9 @@ def is_secret_name(name: str) -> bool:
     words = _words(name.lstrip("-"))
     if not words or (len(words) > 1 and words[-1] in _POINTER_LAST_WORDS):
         return False
-    if words[-1] in _SECRET_LAST_WORDS or any(w in _SECRET_WORDS for w in words):
+    if any(w in _SECRET_WORDS for w in words):
+        return True
+    if len(words) > 1 and words[-1] in _SECRET_LAST_WORDS:
         return True
     return "PWD" in words and len(words) > 1
 
