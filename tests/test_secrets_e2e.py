@@ -29,6 +29,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +56,7 @@ class Scenario:
 
     secrets: dict[str, str]
     outputs: dict[str, str] = field(default_factory=dict)  # command -> stdout + stderr
+    seconds: dict[str, float] = field(default_factory=dict)  # command -> wall time
     # category -> {source: content}
     sources: dict[str, dict[str, bytes]] = field(default_factory=dict)
 
@@ -79,9 +81,11 @@ def _clean_env() -> dict[str, str]:
             if not k.startswith(("RAYDECK_", "RAY_", "AWS_", "MLFLOW_", "GRAFANA_"))}
 
 
-def _files(root: Path, label: str) -> dict[str, bytes]:
+def _files(root: Path, label: str, skip: tuple[Path, ...] = ()) -> dict[str, bytes]:
     found = {}
     for path in sorted(root.rglob("*")):
+        if path in skip:
+            continue
         if path.is_file() and not path.is_symlink() and path.suffix != ".zip":
             try:
                 found[f"{label}/{path.relative_to(root)}"] = path.read_bytes()
@@ -92,8 +96,10 @@ def _files(root: Path, label: str) -> dict[str, bytes]:
 
 def _run(scenario: Scenario, name: str, args: list[str], env: dict[str, str],
          expect: tuple[int, ...] = (0,)) -> str:
+    started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "raydeck.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    scenario.seconds[name] = scenario.seconds.get(name, 0.0) + time.monotonic() - started
     text = done.stdout + done.stderr
     scenario.outputs[name] = text
     assert done.returncode in expect, f"{name}: exit {done.returncode}\n{text[-5000:]}"
@@ -267,7 +273,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
             patch.setenv("RAY_AUTH_TOKEN_PATH", str(head.token_path))
             scenario.sources["Ray"] = {
                 **_files(head.temp_dir, "ray-session"),
-                **_files(head.root, "ray-head"),
+                # The token file is where the token lives, not an output.
+                **_files(head.root, "ray-head", skip=(head.token_path,)),
                 **_job_sources(head),
             }
         scenario.sources["MLflow"] = {
@@ -286,6 +293,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
 
 
 def test_every_command_ran_and_outputs_were_collected(scenario: Scenario) -> None:
+    print("\nseconds per command: " + ", ".join(
+        f"{name} {seconds:.0f}" for name, seconds in scenario.seconds.items()))
     # The searches below are only worth something if they searched real outputs.
     out = scenario.outputs
     assert "http://127.0.0.1:" in out["config"]  # the tracking URI, shown without credentials
