@@ -222,6 +222,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
     }
     assert settings["RAYDECK_S3_SECRET_ACCESS_KEY"] == s3_server.secret_access_key
     venv_bin = str(Path(sys.executable).parent)
+    started = time.monotonic()
     head = RayHead(root / "head", {
         **_clean_env(), **settings, "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
         "RAYDECK_DATA_DIR": str(root / "head-data")}).start()
@@ -233,6 +234,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
         "Grafana password": grafana_password,
         "Ray token": head.token_path.read_text().strip(),
     })
+    scenario.seconds["ray head start"] = time.monotonic() - started
     shell = {**_clean_env(), **settings, **head.client_env, "COLUMNS": "250",
              "RAYDECK_RAY_ADDRESS": head.gcs_address, "RAYDECK_DATA_DIR": str(root / "data"),
              "GRAFANA_TOKEN": grafana_token}
@@ -256,7 +258,9 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
         _run(scenario, "sweep", ["sweep", "--name", f"leak-sweep-{tag}", "--num-samples", "2",
                                  "--max-t", "2", "--preset", "cpu-1", "--register-as", ""],
              shell)
+        started = time.monotonic()
         _outage(scenario, shell, mlflow)
+        scenario.seconds["MLflow outage, all"] = time.monotonic() - started
         _run(scenario, "tracking status", ["tracking", "status"], shell)
         _run(scenario, "monitoring config", ["monitoring", "config", "-o",
                                              str(root / "prometheus.yml")], shell)
