@@ -172,11 +172,6 @@ def test_raydeck_fills_runtime_envs_from_the_submitting_environment_but_never_se
     assert "hunter2" not in str(raised.value)
 
 
-LOCAL = "http://127.0.0.1:8265"
-# TEST-NET-3 (RFC 5737): never an address of this machine.
-REMOTE = "http://203.0.113.7:8265"
-
-
 @pytest.mark.timeout(60)
 def test_the_token_follows_rays_rules(tmp_path: Path) -> None:
     from raydeck.errors import ConfigError
@@ -185,15 +180,19 @@ def test_the_token_follows_rays_rules(tmp_path: Path) -> None:
     token_file = tmp_path / "token"
     token_file.write_text("file-token\n")
     home = {"HOME": str(tmp_path / "home")}
-    assert auth_token(LOCAL, {**home, "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": "x"}) is None
-    assert auth_token(LOCAL, {**home, "RAY_AUTH_TOKEN": "env-token",
-                              "RAY_AUTH_TOKEN_PATH": str(token_file)}).reveal() == "env-token"
-    token = auth_token(LOCAL, {**home, "RAY_AUTH_MODE": "token",
-                               "RAY_AUTH_TOKEN_PATH": str(token_file)})
+    assert auth_token({**home, "RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN": "x"}) is None
+    assert auth_token({**home, "RAY_AUTH_TOKEN": "env-token",
+                       "RAY_AUTH_TOKEN_PATH": str(token_file)}).reveal() == "env-token"
+    token = auth_token({**home, "RAY_AUTH_MODE": "token",
+                        "RAY_AUTH_TOKEN_PATH": str(token_file)})
     assert token.reveal() == "file-token" and "file-token" not in repr(token)
-    assert auth_token(LOCAL, home) is None
+    assert auth_token(home) is None
     with pytest.raises(ConfigError, match="RAY_AUTH_MODE=token but no token found"):
-        auth_token(LOCAL, {**home, "RAY_AUTH_MODE": "token"})
+        auth_token({**home, "RAY_AUTH_MODE": "token"})
+
+
+# TEST-NET-3 (RFC 5737): never an address of this machine.
+REMOTE = "http://203.0.113.7:8265"
 
 
 @pytest.mark.timeout(60)
@@ -209,18 +208,21 @@ def test_the_implicit_token_file_goes_only_to_a_head_on_this_machine(tmp_path: P
     env = {"HOME": str(home)}
     # ~/.ray/auth_token belongs to the head `ray start --head` ran here: loopback or this
     # machine's own name and addresses get it ...
-    for address in (LOCAL, "http://localhost:8265", "127.0.0.1:6379",
+    for address in ("http://127.0.0.1:8265", "http://localhost:8265", "127.0.0.1:6379",
                     f"http://{socket.gethostname()}:8265"):
-        assert auth_token(address, env).reveal() == "local-head-token", address
+        assert auth_token(env, job_server=address).reveal() == "local-head-token", address
     # ... any other address does not, even when asked to authenticate.
-    assert auth_token(REMOTE, env) is None
+    assert auth_token(env, job_server=REMOTE) is None
+    # Without an address, the token is for the job server the environment names.
+    assert auth_token({**env, "RAY_ADDRESS": REMOTE}) is None
+    assert auth_token(env).reveal() == "local-head-token"  # the default, 127.0.0.1:8265
     with pytest.raises(ConfigError) as raised:
-        auth_token(REMOTE, {**env, "RAY_AUTH_MODE": "token"})
+        auth_token({**env, "RAY_AUTH_MODE": "token"}, job_server=REMOTE)
     assert "not sent to http://203.0.113.7:8265; set RAY_AUTH_TOKEN_PATH" in str(raised.value)
     # Named explicitly, a token is the user's choice and goes to any address.
     explicit = {**env, "RAY_AUTH_TOKEN_PATH": str(home / ".ray" / "auth_token")}
-    assert auth_token(REMOTE, explicit).reveal() == "local-head-token"
-    assert auth_token(REMOTE, {**env, "RAY_AUTH_TOKEN": "t"}).reveal() == "t"
+    assert auth_token(explicit, job_server=REMOTE).reveal() == "local-head-token"
+    assert auth_token({**env, "RAY_AUTH_TOKEN": "t"}, job_server=REMOTE).reveal() == "t"
     # A refusal explains why nothing was sent.
     server = JobServer.from_env(REMOTE, env)
     assert server.token is None and "is not sent to http://203.0.113.7:8265" in server.withheld

@@ -115,13 +115,14 @@ def is_local_address(address: str) -> bool:
                for ip in resolved)
 
 
-def auth_token(address: str, env: Mapping[str, str] | None = None) -> Secret | None:
-    """The token to send to the job server at ``address``, read from ``env`` (default
-    ``os.environ``).
+def auth_token(env: Mapping[str, str] | None = None, job_server: str | None = None
+               ) -> Secret | None:
+    """The token to send to ``job_server`` (default: :func:`job_server_address` of ``env``),
+    read from ``env`` (default ``os.environ``).
 
     The rule: ``RAY_AUTH_MODE=disabled`` sends none. A token named explicitly
     (``RAY_AUTH_TOKEN``, else the file in ``RAY_AUTH_TOKEN_PATH``) is the user's choice and goes
-    to whatever ``address`` is given. The token file found implicitly, ``~/.ray/auth_token``, is
+    to whatever job server is given. The token file found implicitly, ``~/.ray/auth_token``, is
     the one ``ray start --head`` wrote for the head on this machine, so it goes only to a job
     server on this machine (:func:`is_local_address`); to send it elsewhere, name it with
     ``RAY_AUTH_TOKEN_PATH``.
@@ -132,6 +133,7 @@ def auth_token(address: str, env: Mapping[str, str] | None = None) -> Secret | N
             ``RAY_AUTH_TOKEN_PATH`` cannot be read.
     """
     env = os.environ if env is None else env
+    address = job_server or job_server_address(None, env)
     mode = env.get(AUTH_MODE_ENV, "").strip().lower()
     if mode == "disabled":
         return None
@@ -184,7 +186,7 @@ class JobServer:
                  ) -> JobServer:
         env = os.environ if env is None else env
         resolved = job_server_address(address, env)
-        token = auth_token(resolved, env)
+        token = auth_token(env, job_server=resolved)
         default = _default_token_path(env)
         withheld = (_withheld_message(resolved, default)
                     if token is None and env.get(AUTH_MODE_ENV, "").lower() != "disabled"

@@ -60,9 +60,9 @@ def _ray_rows(address: str, namespace: str) -> tuple[list[tuple[str, str, str]],
 
 
 def _mlflow_row(uri: str) -> tuple[tuple[str, str, str], str | None]:
-    from raydeck.redaction import redact_url
+    from raydeck.redaction import redact_text as _redact
 
-    shown = redact_url(uri)
+    shown = _redact(uri)
     if uri.startswith("sqlite:///"):
         path = uri[len("sqlite:///"):]
         state = "exists" if os.path.exists(path) else "created on first run"

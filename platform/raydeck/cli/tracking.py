@@ -49,7 +49,6 @@ def status() -> None:
                    "replay backlog", "errors", "last error"):
         shards.add_column(column)
     for s in info["shards"]:
-        # A shard's last error quotes MLflow, whose messages hold the tracking URI.
         shards.add_row(str(s.get("index")), str(s.get("state")),
                        str(s.get("points_received", "")), str(s.get("points_written", "")),
                        str(s.get("queued_points", "")), str(s.get("spool_bytes", "")),

@@ -158,9 +158,9 @@ class _GrafanaCalls:
     """Runs grafana-client calls, turning its exceptions into one clear MonitoringError."""
 
     def __init__(self, url: str) -> None:
-        from raydeck.redaction import redact_url
+        from raydeck.redaction import redact_text as _redact
 
-        self.url = redact_url(url)
+        self.url = _redact(url)
 
     def __call__(self, what: str, fn: Any, *args: Any, missing_ok: bool = False,
                  **kwargs: Any) -> Any:
