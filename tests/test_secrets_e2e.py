@@ -247,7 +247,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
         _run(scenario, "storage init", ["storage", "init"], shell)
         _run(scenario, "status", ["status"], shell)
         _run(scenario, "submit", ["submit", "jobs/digits_torch.py", "--runtime-env",
-                                  "runtime_envs/cpu.yaml", "--preset", "cpu-1",
+                                  "runtime_envs/cpu.yaml", "--preset", "cpu-1", "--no-check",
                                   "--run-name", "leak-submit", "--", "--epochs", "2"],
              {**shell, "RAYDECK_DATA_DIR": str(root / "head-data")})
         _run(scenario, "jobs", ["jobs"], shell)
