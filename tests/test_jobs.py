@@ -109,7 +109,8 @@ def test_runtime_env_files_are_valid_ray_runtime_envs_without_secrets(path: Path
     from ray.runtime_env import RuntimeEnv
 
     from raydeck.config import load_settings, settings_reference
-    from raydeck.jobs import PLACEHOLDER, SECRET_ENV_VARS, check_runtime_env
+    from raydeck.jobs import PLACEHOLDER, check_runtime_env
+    from raydeck.redaction import is_secret_name
 
     document = yaml.safe_load(path.read_text())
     RuntimeEnv(**document)
@@ -123,7 +124,7 @@ def test_runtime_env_files_are_valid_ray_runtime_envs_without_secrets(path: Path
             assert name in known, name
             # Filled in from the environment, never written here.
             assert PLACEHOLDER.search(str(value)), (name, value)
-        assert name not in SECRET_ENV_VARS, "Ray logs runtime envs: no secrets in them"
+        assert not is_secret_name(name), "Ray logs runtime envs: no secrets in them"
     # On a node where a variable is unset, Ray fills in "": raydeck must read it as the default.
     load_settings(env={name: "" for name in env_vars if name.startswith("RAYDECK_")})
 
@@ -188,6 +189,43 @@ def test_the_token_follows_rays_rules(tmp_path: Path) -> None:
     assert auth_token(home) is None
     with pytest.raises(ConfigError, match="RAY_AUTH_MODE=token but no token found"):
         auth_token({**home, "RAY_AUTH_MODE": "token"})
+
+
+# TEST-NET-3 (RFC 5737): never an address of this machine.
+REMOTE = "http://203.0.113.7:8265"
+
+
+@pytest.mark.timeout(60)
+def test_the_implicit_token_file_goes_only_to_a_head_on_this_machine(tmp_path: Path) -> None:
+    import socket
+
+    from raydeck.errors import ConfigError
+    from raydeck.jobs import JobServer, auth_token
+
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("local-head-token\n")
+    env = {"HOME": str(home)}
+    # ~/.ray/auth_token belongs to the head `ray start --head` ran here: loopback or this
+    # machine's own name and addresses get it ...
+    for address in ("http://127.0.0.1:8265", "http://localhost:8265", "127.0.0.1:6379",
+                    f"http://{socket.gethostname()}:8265"):
+        assert auth_token(env, job_server=address).reveal() == "local-head-token", address
+    # ... any other address does not, even when asked to authenticate.
+    assert auth_token(env, job_server=REMOTE) is None
+    # Without an address, the token is for the job server the environment names.
+    assert auth_token({**env, "RAY_ADDRESS": REMOTE}) is None
+    assert auth_token(env).reveal() == "local-head-token"  # the default, 127.0.0.1:8265
+    with pytest.raises(ConfigError) as raised:
+        auth_token({**env, "RAY_AUTH_MODE": "token"}, job_server=REMOTE)
+    assert "not sent to http://203.0.113.7:8265; set RAY_AUTH_TOKEN_PATH" in str(raised.value)
+    # Named explicitly, a token is the user's choice and goes to any address.
+    explicit = {**env, "RAY_AUTH_TOKEN_PATH": str(home / ".ray" / "auth_token")}
+    assert auth_token(explicit, job_server=REMOTE).reveal() == "local-head-token"
+    assert auth_token({**env, "RAY_AUTH_TOKEN": "t"}, job_server=REMOTE).reveal() == "t"
+    # A refusal explains why nothing was sent.
+    server = JobServer.from_env(REMOTE, env)
+    assert server.token is None and "is not sent to http://203.0.113.7:8265" in server.withheld
 
 
 @pytest.mark.timeout(120)

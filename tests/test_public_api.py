@@ -32,9 +32,53 @@ def test_the_no_op_tracker_overrides_every_call_that_would_reach_the_proxy() -> 
     methods = {name for name, v in vars(Tracker).items()
                if callable(v) and not name.startswith("_")} - properties
     kept = {"run_config"}  # builds a RunConfig from the binding; never touches the proxy
+    # MLflow's singular and file-writing spellings only call overridden methods
+    # (log_metrics, log_params, set_tags, _log_file_as), so the no-op needs no copy of them.
+    kept |= {"log_metric", "log_param", "set_tag", "log_dict", "log_text", "log_figure",
+             "log_image"}
+    assert {"_log_file_as"} <= set(vars(NoOpTracker))
     missing = sorted(m for m in methods - kept if m not in vars(NoOpTracker))
     assert not missing, f"NoOpTracker inherits proxy calls: {missing}"
     tracker = NoOpTracker()
     tracker.log_metrics({"x": 1.0})
     tracker.log_params({"a": 1})
+    tracker.log_metric("y", 2.0)
+    tracker.log_dict({"k": 1}, "d.json")
+    tracker.log_text("t", "t.txt")
     assert tracker.finish().landed and not tracker.active
+
+
+@pytest.mark.timeout(120)
+def test_public_submodules_are_attributes_after_a_plain_import() -> None:
+    # README writes `raydeck.checkpointing.restore(...)` after `import raydeck`.
+    code = ("import sys, raydeck\n"
+            "print(sorted(m for m in ('torch', 'ray.tune', 'pytorch_lightning') "
+            "if m in sys.modules))\n"
+            "assert callable(raydeck.checkpointing.restore)\n"
+            "assert callable(raydeck.tune.sweep)\n"
+            "assert callable(raydeck.redaction.redact_url)\n"
+            "assert raydeck.integrations.lightning.RaydeckLogger\n"
+            "assert raydeck.observability.metrics.metrics_markdown\n"
+            "assert raydeck.examples.digits.run_digits\n"
+            "assert 'checkpointing' in dir(raydeck)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines()[0] == "[]", "import raydeck alone must stay light"
+
+
+def test_every_module_of_the_package_is_listed_as_public_or_private() -> None:
+    import importlib
+    import pkgutil
+
+    import raydeck
+
+    internal = {"cli", "_internal", "_version"}  # the command, helpers, the version string
+    for package in (raydeck, raydeck.integrations, raydeck.observability, raydeck.examples):
+        found = {m.name for m in pkgutil.iter_modules(package.__path__)} - internal
+        for name in found:
+            module = getattr(package, name)
+            assert module is importlib.import_module(f"{package.__name__}.{name}")
+        assert found <= set(dir(package)), f"{package.__name__}: list new submodules"
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        _ = raydeck.nope

@@ -7,9 +7,9 @@ imported only when a name that needs them is used.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from raydeck._internal.lazy import lazy_attributes
 from raydeck._version import __version__
 from raydeck.config import Settings, load_settings
 from raydeck.errors import (
@@ -54,12 +54,13 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'raydeck' has no attribute {name!r}")
+# Public submodules, reachable as attributes after a plain ``import raydeck``
+# (``raydeck.checkpointing.restore(...)``) and imported on first use only.
+_SUBMODULES = (
+    "checkpointing", "cluster", "config", "errors", "examples", "integrations", "jobs", "models",
+    "observability", "redaction", "scaling", "stack", "storage", "tracking", "training", "tune",
+)
+__getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _LAZY)
 
 
 __all__ = [

@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Literal, get_args
 import tomllib
 
 from raydeck.errors import ConfigError
+from raydeck.redaction import redact_env, redact_value
 
 CONFIG_FILE_ENV = "RAYDECK_CONFIG"
 DEFAULT_CONFIG_FILE = "raydeck.toml"
@@ -87,7 +88,7 @@ class _Section:
 
     def _reject(self, name: str, rule: str) -> ConfigError:
         value = getattr(self, name)
-        shown = value if not isinstance(value, Secret) else "<secret>"
+        shown = "<secret>" if isinstance(value, Secret) else _shown(self.env_name(name), value)
         return ConfigError(
             f"{self.env_name(name)} (raydeck.toml {self.toml_key(name)}) = {shown!r}: {rule}"
         )
@@ -244,6 +245,9 @@ class Settings(_Section):
         Values are the resolved ones (absolute data dir, concrete tracking URI), so a worker on
         another node reads exactly what the driver read. Secrets are left out: they travel through
         :func:`raydeck.storage.secret_env`, which callers add only where a process needs them.
+        Credentials inside values are removed too (:func:`raydeck.redaction.redact_env`): the
+        tracking URI comes without its user-info, because workers reach MLflow only through the
+        tracking proxy, which gets the full URI from the process that creates it.
         """
         env: dict[str, str] = {}
         for section, obj in _sections(self):
@@ -254,7 +258,7 @@ class Settings(_Section):
                 if isinstance(value, Secret):
                     continue
                 env[section.env_name(f.name)] = _format(value)
-        return env
+        return redact_env(env)
 
 
 def _sections(settings: Settings) -> list[tuple[type[_Section], Any]]:
@@ -271,9 +275,15 @@ def _format(value: Any) -> str:
     return str(value)
 
 
+def _shown(variable: str, value: Any) -> Any:
+    """``value`` of ``variable`` as an error may quote it: strings redacted, others as they are."""
+    return redact_value(variable, value) if isinstance(value, str) else value
+
+
 def _parse(section: type[_Section], name: str, annotation: Any, raw: Any) -> Any:
     """Convert an env string or TOML value to the field's type, or raise naming the field."""
-    where = f"{section.env_name(name)} (raydeck.toml {section.toml_key(name)}) = {raw!r}"
+    shown = _shown(section.env_name(name), raw)
+    where = f"{section.env_name(name)} (raydeck.toml {section.toml_key(name)}) = {shown!r}"
     target = annotation
     try:
         if target is bool:

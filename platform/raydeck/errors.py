@@ -4,13 +4,45 @@ Every error a user can fix derives from :class:`RaydeckError`. The CLI turns the
 line and exit code 2 (tracebacks only with ``--debug``); library callers catch them by type.
 Messages name the field, the value and the fix, because the person reading them is usually
 looking at a job log on a cluster, not at our source.
+
+Two guarantees hold for every class here, subclasses included:
+
+- **Messages never carry a secret.** The message is passed through
+  :func:`raydeck.redaction.redact_text` when the error is built, so URL user-info, secret-named
+  values and known secret values are masked in ``str(exc)``, in ``exc.args`` and in every
+  traceback and log line that shows it.
+- **Errors cross processes intact.** Ray pickles an exception raised in a task, an actor or a
+  Ray Train worker and re-raises it on the caller. Pickling rebuilds an exception by calling
+  its class with ``exc.args``, which fails for a constructor whose arguments are not its message
+  (``TrackingValidationError(problems)``); :meth:`RaydeckError.__reduce__` restores the
+  instance from its ``args`` and attributes instead, without calling the constructor, so any
+  signature round-trips with its message.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from raydeck.redaction import redact_text
+
+
+def _restore(cls: type[RaydeckError], args: tuple[Any, ...], state: dict[str, Any]
+             ) -> RaydeckError:
+    """Rebuild a pickled raydeck error without calling its constructor."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
 
 class RaydeckError(Exception):
     """Base class for errors a user can act on."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*(redact_text(arg) if isinstance(arg, str) else arg for arg in args))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _restore, (type(self), self.args, self.__dict__)
 
 
 class ConfigError(RaydeckError, ValueError):

@@ -11,24 +11,30 @@ Three facts of Ray 2.60 shape this module:
 - Token authentication is on by default for clusters started with ``ray start --head`` (when
   ``RAY_AUTH_MODE=token`` or a token exists), and the job server then answers 401 without one.
   The token is sent explicitly as an ``Authorization`` header built here (:class:`JobServer`),
-  so nothing depends on which Ray process state came before; it is never printed.
+  so nothing depends on which Ray process state came before; it is never printed. Unlike
+  ``ray job submit``, the token file found implicitly (``~/.ray/auth_token``) goes only to a job
+  server on this machine (:func:`auth_token`): it belongs to the head started here, and
+  sending it to any ``--address`` would hand it to whoever answers there.
 - A job's entrypoint ``python`` is the first ``python`` on the PATH of the process that ran
   ``ray start``. :func:`probe` runs a tiny job first and says exactly which Python could not
   import raydeck and how to fix it, instead of a ``No module named 'ray'`` deep in a job log.
 - Ray fills in ``${NAME}`` in a runtime env's ``env_vars`` on each node from the environment
   ``ray start`` ran with. :func:`load_runtime_env` fills them from the *submitting* environment
-  instead, except secrets, which stay ``${NAME}`` for the cluster to fill: a secret's value
-  never travels with the job, whose runtime env Ray's agent logs and its dashboard shows.
+  instead, except secrets (secret-named variables, and values that carry credentials such as a
+  tracking URI with user:password), which stay ``${NAME}`` for the cluster to fill: a secret's
+  value never travels with the job, whose runtime env Ray's agent logs and its dashboard shows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
 import os
 import re
 import shlex
+import socket
 import sys
 import time
 import uuid
@@ -36,9 +42,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from raydeck.config import Secret
 from raydeck.errors import ClusterUnavailableError, ConfigError, JobSubmissionError
+from raydeck.redaction import is_secret_name, redact_text, redact_url
 
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient
@@ -52,11 +60,6 @@ AUTH_MODE_ENV = "RAY_AUTH_MODE"
 AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 DEFAULT_TOKEN_PATH = Path(".ray/auth_token")  # in the home directory
-# Values of these variables are credentials: a runtime env file may only reference them.
-SECRET_ENV_VARS = frozenset({
-    "RAYDECK_S3_SECRET_ACCESS_KEY", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-    AUTH_TOKEN_ENV,
-})
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 RUN_ID_ENV = "RAYDECK_RUN_ID"
 METADATA_RUN_ID = "raydeck_run_id"
@@ -93,19 +96,48 @@ def job_server_address(address: str | None = None, env: Mapping[str, str] | None
     return (job_server(env) or DEFAULT_JOB_SERVER).rstrip("/")
 
 
+def is_local_address(address: str) -> bool:
+    """Whether the host of ``address`` (a URL or ``host:port``) is this machine.
+
+    True for loopback names and addresses and for the addresses of this machine's interfaces
+    (a head started here may serve on the machine's LAN address). A name that does not resolve
+    is not local.
+    """
+    import psutil
+
+    host = urlsplit(address if "://" in address else f"//{address}").hostname
+    if not host:
+        return False
+    try:
+        resolved = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    own = {entry.address.split("%")[0] for entries in psutil.net_if_addrs().values()
+           for entry in entries if entry.family in (socket.AF_INET, socket.AF_INET6)}
+    return all(ipaddress.ip_address(ip.split("%")[0]).is_loopback or ip in own
+               for ip in resolved)
+
+
 def auth_token(env: Mapping[str, str] | None = None, job_server: str | None = None
                ) -> Secret | None:
-    """The token to send, following Ray's own rules, read from ``env`` (default ``os.environ``).
+    """The token to send to ``job_server`` (default: :func:`job_server_address` of ``env``),
+    read from ``env`` (default ``os.environ``).
 
-    ``RAY_AUTH_MODE=disabled``: none. Otherwise ``RAY_AUTH_TOKEN``, else the file named by
-    ``RAY_AUTH_TOKEN_PATH``, else the running stack's token when ``job_server`` is the stack's
-    (never sent anywhere else), else ``~/.ray/auth_token`` if it exists.
+    The rule: ``RAY_AUTH_MODE=disabled`` sends none. A token named explicitly
+    (``RAY_AUTH_TOKEN``, else the file in ``RAY_AUTH_TOKEN_PATH``) is the user's choice and goes
+    to whatever job server is given. The token file found implicitly, ``~/.ray/auth_token``, is
+    the one ``ray start --head`` wrote for the head on this machine, so it goes only to a job
+    server on this machine (:func:`is_local_address`); to send it elsewhere, name it with
+    ``RAY_AUTH_TOKEN_PATH``. Before that file, the running stack's token (``raydeck up``) goes
+    to the stack's own job server, never anywhere else.
 
     Raises:
-        ConfigError: ``RAY_AUTH_MODE=token`` but no token was found, or the token file named by
+        ConfigError: ``RAY_AUTH_MODE=token`` but no token may be sent (none found, or only
+            ``~/.ray/auth_token`` for a remote address), or the token file named by
             ``RAY_AUTH_TOKEN_PATH`` cannot be read.
     """
     env = os.environ if env is None else env
+    address = job_server or job_server_address(None, env)
     mode = env.get(AUTH_MODE_ENV, "").strip().lower()
     if mode == "disabled":
         return None
@@ -119,15 +151,18 @@ def auth_token(env: Mapping[str, str] | None = None, job_server: str | None = No
             raise ConfigError(
                 f"{AUTH_TOKEN_PATH_ENV}={str(path)!r}: cannot read the token ({exc.strerror})"
             ) from None
-    if job_server is not None:
-        from raydeck.stack.connection import token_for
+    from raydeck.stack.connection import token_for
 
-        stack_token = token_for(job_server, env)
-        if stack_token is not None:
-            return stack_token
-    default = Path(env.get("HOME") or Path.home()) / DEFAULT_TOKEN_PATH
+    stack_token = token_for(address, env)
+    if stack_token is not None:
+        return stack_token
+    default = _default_token_path(env)
     if default.is_file():
-        return Secret(default.read_text().strip())
+        if is_local_address(address):
+            return Secret(default.read_text().strip())
+        if mode == "token":
+            raise ConfigError(_withheld_message(address, default))
+        return None
     if mode == "token":
         raise ConfigError(
             f"{AUTH_MODE_ENV}=token but no token found: set {AUTH_TOKEN_ENV} or "
@@ -136,18 +171,36 @@ def auth_token(env: Mapping[str, str] | None = None, job_server: str | None = No
     return None
 
 
+def _default_token_path(env: Mapping[str, str]) -> Path:
+    return Path(env.get("HOME") or Path.home()) / DEFAULT_TOKEN_PATH
+
+
+def _withheld_message(address: str, path: Path) -> str:
+    return (f"{path} holds the token of the Ray head on this machine and is not sent to "
+            f"{redact_url(address)}; set {AUTH_TOKEN_PATH_ENV} (or {AUTH_TOKEN_ENV}) to that "
+            "cluster's token")
+
+
 @dataclass(frozen=True)
 class JobServer:
     """A Ray job server and the token to reach it. Build with :meth:`from_env`."""
 
     address: str
     token: Secret | None = None
+    # Why no token is sent although one exists here (see auth_token); shown on a refusal.
+    withheld: str = ""
 
     @classmethod
     def from_env(cls, address: str | None = None, env: Mapping[str, str] | None = None
                  ) -> JobServer:
-        server = job_server_address(address, env)
-        return cls(server, auth_token(env, job_server=server))
+        env = os.environ if env is None else env
+        resolved = job_server_address(address, env)
+        token = auth_token(env, job_server=resolved)
+        default = _default_token_path(env)
+        withheld = (_withheld_message(resolved, default)
+                    if token is None and env.get(AUTH_MODE_ENV, "").lower() != "disabled"
+                    and default.is_file() else "")
+        return cls(resolved, token, withheld)
 
     def client(self) -> JobSubmissionClient:
         """A connected ``JobSubmissionClient`` that has shown the token is accepted.
@@ -175,7 +228,7 @@ class JobServer:
             raise ClusterUnavailableError(
                 f"the Ray job server at {self.address} refused the request: "
                 + ("it rejected the token that was sent; check RAY_AUTH_TOKEN / "
-                   "RAY_AUTH_TOKEN_PATH" if self.token else _AUTH_HINT)
+                   "RAY_AUTH_TOKEN_PATH" if self.token else self.withheld or _AUTH_HINT)
             ) from None
         except (ConnectionError, RuntimeError) as exc:
             raise ClusterUnavailableError(
@@ -187,17 +240,28 @@ class JobServer:
 
 # --- runtime envs ---------------------------------------------------------------------------
 def _references_secret(value: str) -> bool:
-    return any(name in SECRET_ENV_VARS for name in PLACEHOLDER.findall(value))
+    return any(is_secret_name(name) for name in PLACEHOLDER.findall(value))
+
+
+def _holds_credentials(value: str) -> bool:
+    """Whether ``value`` carries a credential (URL user-info, ``token=...``) in its text."""
+    return redact_text(value, ()) != value
 
 
 def check_runtime_env(runtime_env: Mapping[str, Any], source: str) -> None:
     """Reject a runtime env that writes a secret's value instead of referencing it.
 
+    Secret: a secret-named variable (:func:`raydeck.redaction.is_secret_name`) holding anything
+    but a ``${NAME}`` reference, or any variable whose value carries credentials (a URL with
+    user-info, such as a tracking URI with user:password).
+
     Raises:
-        ConfigError: a secret variable holds a literal value; the message names it, not it.
+        ConfigError: a variable holds a secret; the message names it, never the value.
     """
-    for name, value in dict(runtime_env.get("env_vars") or {}).items():
-        if name in SECRET_ENV_VARS and PLACEHOLDER.fullmatch(str(value)) is None:
+    for name, raw in dict(runtime_env.get("env_vars") or {}).items():
+        value = str(raw)
+        if PLACEHOLDER.fullmatch(value) is None and (
+                is_secret_name(str(name)) or _holds_credentials(value)):
             raise ConfigError(
                 f"{source}: env_vars.{name} holds a value; a secret may only be referenced as "
                 f"${{{name}}} so it stays out of files and job metadata"
@@ -215,7 +279,9 @@ def load_runtime_env(path: str | Path, env: Mapping[str, str] | None = None,
     each node, as plain ``ray job submit`` does (for clusters that see services under other
     names than the submitting machine does, e.g. Docker Compose). Values referencing a secret
     (``RAYDECK_S3_SECRET_ACCESS_KEY``, ...) are always kept as written: Ray fills them in on
-    each node, so the secret never leaves the cluster.
+    each node, so the secret never leaves the cluster. So are values whose filled-in text would
+    carry credentials (``RAYDECK_TRACKING_URI=http://user:password@...``), with a warning: the
+    cluster's nodes need that variable in the environment of ``ray start``.
     ``working_dir`` and ``py_modules`` paths are made absolute (relative to ``working_dir``,
     default the current directory), as ``ray job submit`` resolves them, and ``${PWD}`` is that
     directory.
@@ -254,7 +320,12 @@ def load_runtime_env(path: str | Path, env: Mapping[str, str] | None = None,
             env_vars[str(name)] = value
             continue
         filled = PLACEHOLDER.sub(lambda match: values.get(match.group(1), ""), value)
-        if filled:
+        if _holds_credentials(filled):
+            logger.warning(
+                "%s holds credentials, so it is left as %s for the cluster's nodes to fill in "
+                "from the environment of `ray start` (Ray logs runtime envs)", name, value)
+            env_vars[str(name)] = value
+        elif filled:
             env_vars[str(name)] = filled
     runtime_env["env_vars"] = env_vars
     return runtime_env
@@ -491,7 +562,7 @@ def find_run(tracking_uri: str, experiment: str, run_id: str) -> RunLink:
     """The MLflow run of raydeck run id ``run_id`` (tag ``raydeck.run_key``), if it exists here.
 
     Returns a link with only ``run_id`` set when MLflow is unreachable or has no such run (the
-    job may write to an MLflow this machine does not see).
+    job may write to an MLflow this machine does not see). Its ``url`` has no credentials.
     """
     from mlflow.tracking import MlflowClient
 
@@ -502,11 +573,12 @@ def find_run(tracking_uri: str, experiment: str, run_id: str) -> RunLink:
             [exp.experiment_id], filter_string=f"tags.`raydeck.run_key` = '{run_id}'",
             max_results=1) if exp is not None else []
     except Exception as exc:
-        logger.debug("MLflow lookup of %s failed: %s", run_id, exc)
+        logger.debug("MLflow lookup of %s failed: %s", run_id, redact_text(str(exc)))
         return RunLink(run_id)
     if not runs:
         return RunLink(run_id)
     info = runs[0].info
-    url = (f"{tracking_uri.rstrip('/')}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
+    shown = redact_url(tracking_uri).rstrip("/")
+    url = (f"{shown}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
            if tracking_uri.startswith(("http://", "https://")) else "")
     return RunLink(run_id, info.run_id, url, info.status)

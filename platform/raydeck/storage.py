@@ -33,6 +33,7 @@ import pyarrow.fs
 
 from raydeck.config import Settings, StorageSettings
 from raydeck.errors import StorageError
+from raydeck.redaction import redact_url
 
 if TYPE_CHECKING:
     from minio import Minio
@@ -408,7 +409,8 @@ def init_buckets(storage: StorageSettings, *, probe: bool = True) -> list[Bucket
                 try:
                     client.make_bucket(bucket, location=storage.region)
                     created = True
-                    logger.info("created bucket %s at %s", bucket, storage.endpoint)
+                    logger.info("created bucket %s at %s", bucket,
+                                redact_url(storage.endpoint))
                 except S3Error as exc:
                     # Another process created it between our check and our call.
                     if exc.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):

@@ -32,6 +32,7 @@ from typing import Any
 
 from raydeck.config import RUN_KEY_PATTERN, Settings, load_settings
 from raydeck.errors import ConfigError
+from raydeck.redaction import redact_text
 
 logger = logging.getLogger(__name__)
 
@@ -460,7 +461,8 @@ class _SweepTracking:
             if wait:
                 ray.get(ref, timeout=60)
         except Exception as exc:
-            logger.warning("could not mark trial %s %s yet: %s", trial_id, status, exc)
+            logger.warning("could not mark trial %s %s yet: %s", trial_id, status,
+                           redact_text(str(exc)))
         return status
 
 

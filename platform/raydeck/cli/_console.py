@@ -18,10 +18,13 @@ EXIT_USER_ERROR = 2
 
 
 def setup_logging(level: str) -> None:
-    """raydeck's loggers to stderr at ``level``; Ray's and MLflow's stay quiet."""
+    """raydeck's loggers to stderr at ``level``, redacted; Ray's and MLflow's stay quiet."""
     from rich.logging import RichHandler
 
+    from raydeck.redaction import RedactingFilter
+
     handler = RichHandler(console=err_console, show_path=False, show_time=False)
+    handler.addFilter(RedactingFilter())
     root = logging.getLogger("raydeck")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

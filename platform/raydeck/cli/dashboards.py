@@ -69,6 +69,7 @@ def push(
     from raydeck.observability.dashboards import load_dashboards
     from raydeck.observability.grafana import push as push_all
     from raydeck.observability.grafana import ray_dashboards
+    from raydeck.redaction import redact_url
 
     if not url:
         raise ConfigError("no Grafana URL: pass --url or set GRAFANA_URL (e.g. "
@@ -78,8 +79,9 @@ def push(
         result = push_all(url, Secret(token), rendered, prometheus_url=datasource_url,
                           ray=ray_dashboards() if ray else None)
     console.print(f"datasource {result.datasource}; {len(result.dashboards)} dashboard(s) pushed:")
+    shown = redact_url(url).rstrip("/")
     for title, path in result.dashboards:
-        console.print(f"  {escape(title)}  {url.rstrip('/')}{path}", soft_wrap=True)
+        console.print(f"  {escape(title)}  {shown}{path}", soft_wrap=True)
 
 
 @app.command("check")
@@ -97,7 +99,9 @@ def check(
     from raydeck.observability.dashboards import check as check_panels
     from raydeck.observability.dashboards import load_dashboards
     from raydeck.observability.prometheus import PrometheusClient, parse_duration
+    from raydeck.redaction import redact_url
 
+    shown = redact_url(prometheus_url)
     values = {}
     for item in variables:
         name, sep, value = item.partition("=")
@@ -105,10 +109,10 @@ def check(
             raise ConfigError(f"--var {item!r}: must be name=value, e.g. run=digits.*")
         values[name] = value
     client = PrometheusClient(prometheus_url)
-    with console.status(f"querying {prometheus_url}..."):
+    with console.status(f"querying {shown}..."):
         results = check_panels(load_dashboards(directory), client,
                                range_s=parse_duration(time_range), values=values)
-    table = Table(title=f"panels vs {prometheus_url} (last {time_range})")
+    table = Table(title=f"panels vs {shown} (last {time_range})")
     for column in ("dashboard", "panel", "query", "status", "series", "detail"):
         table.add_column(column)
     for r in results:

@@ -50,6 +50,7 @@ def demo(
     """Train a digits classifier on a local Ray cluster with 2 workers, tracked in MLflow."""
     from raydeck.config import load_settings
     from raydeck.examples.digits import run_digits
+    from raydeck.redaction import redact_url
     from raydeck.scaling import get_preset
 
     settings = load_settings()
@@ -62,7 +63,7 @@ def demo(
         connect(settings, log_to_driver=False)
     run = run_digits(preset=preset, config={"epochs": epochs}, run_name=run_name,
                      settings=settings, watch=_progress_watcher(epochs))
-    uri = run.tracking_uri
+    uri = redact_url(run.tracking_uri)
     console.print(f"\n[bold green]done[/] in {run.wall_time_s:.0f} s")
     console.print(f"  MLflow run:          {run.run_id} ({run.run_name})")
     console.print(f"  validation accuracy: {run.val_accuracy:.3f}")

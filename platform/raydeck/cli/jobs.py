@@ -37,8 +37,9 @@ def submit(
     """Submit a job file with a preset and a runtime env; stream its log; show its MLflow run.
 
     Arguments after the job file (or after `--`) are passed to it. The token for a cluster with
-    token authentication comes from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token
-    (RAY_AUTH_MODE=disabled sends none); it is never printed.
+    token authentication comes from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or, for a cluster on
+    this machine only, ~/.ray/auth_token (RAY_AUTH_MODE=disabled sends none); it is never
+    printed.
     """
     from pathlib import Path
 
@@ -55,6 +56,7 @@ def submit(
         stream_logs,
         submit_job,
     )
+    from raydeck.redaction import redact_text, redact_url
     from raydeck.scaling import check_feasible, get_preset
 
     settings = load_settings()
@@ -70,8 +72,9 @@ def submit(
                          args=tuple(ctx.args))
     server = JobServer.from_env(address)
     client = server.client()
+    shown = redact_url(server.address)
     if check:
-        with console.status(f"checking the cluster at {server.address}..."):
+        with console.status(f"checking the cluster at {shown}..."):
             cluster = probe(client, env)
         feasibility = check_feasible(chosen, node_totals=cluster.node_totals,
                                      node_available=cluster.node_available)
@@ -81,8 +84,8 @@ def submit(
         if not feasibility.runs_now:
             console.print(f"[yellow]{escape(feasibility.message)}[/]")
     submission_id = submit_job(client, request)
-    console.print(f"submitted [bold]{submission_id}[/] to {server.address}: "
-                  f"{escape(request.entrypoint)}", soft_wrap=True)
+    console.print(f"submitted [bold]{submission_id}[/] to {shown}: "
+                  f"{escape(redact_text(request.entrypoint))}", soft_wrap=True)
     console.print(f"  run id: {request.run_id}  (logs: `ray job logs {submission_id}`)",
                   soft_wrap=True)
     if not wait:
@@ -96,7 +99,7 @@ def submit(
                       + (f"  {run.url}" if run.url else ""), soft_wrap=True)
     else:
         console.print(f"  MLflow run: tag raydeck.run_key = {request.run_id} (not found in "
-                      f"{settings.tracking.uri})", soft_wrap=True)
+                      f"{redact_url(settings.tracking.uri)})", soft_wrap=True)
     if status != "SUCCEEDED":
         raise typer.Exit(EXIT_JOB_FAILED)
 
@@ -112,7 +115,9 @@ def _quiet_logs(level: str) -> None:
 
 
 def _echo(chunk: str) -> None:
-    sys.stdout.write(chunk)
+    from raydeck.redaction import redact_text
+
+    sys.stdout.write(redact_text(chunk))
     sys.stdout.flush()
 
 
@@ -130,12 +135,13 @@ def jobs(
     """List recent jobs of the cluster: status, duration and MLflow run."""
     from raydeck.config import load_settings
     from raydeck.jobs import JobServer, find_run, list_jobs
+    from raydeck.redaction import redact_text, redact_url
 
     settings = load_settings()
     _quiet_logs(settings.log_level)
     server = JobServer.from_env(address)
     views = list_jobs(server.client(), limit)
-    table = Table(title=f"jobs on {server.address}")
+    table = Table(title=f"jobs on {redact_url(server.address)}")
     for column in ("submission id", "status", "started", "duration", "entrypoint", "MLflow run"):
         table.add_column(column, overflow="fold")
     for view in views:
@@ -144,8 +150,9 @@ def jobs(
         started = (datetime.datetime.fromtimestamp(view.started_s).strftime("%Y-%m-%d %H:%M:%S")
                    if view.started_s else "-")
         link = "-" if run is None else (run.url or run.mlflow_run_id or f"run id {run.run_id}")
+        # Entrypoints are whatever anyone submitted: a command line may hold a credential.
         table.add_row(view.submission_id, view.status, started, _duration(view.duration_s),
-                      view.entrypoint, link)
+                      redact_text(view.entrypoint), link)
     if not views:
         err_console.print("no jobs yet")
     console.print(table)

@@ -7,6 +7,7 @@ fails with exit code 2 and nothing half-created.
 from __future__ import annotations
 
 import sys
+import traceback
 
 import typer
 from rich.markup import escape
@@ -25,6 +26,8 @@ from raydeck.cli import (
 )
 from raydeck.cli import settings as settings_cmd
 from raydeck.cli._console import EXIT_USER_ERROR, err_console
+
+EXIT_BUG = 1
 
 app = typer.Typer(
     name="raydeck",
@@ -71,14 +74,24 @@ app.command("logs")(stack.logs)
 
 
 def main() -> None:
-    """Entry point: run the app, mapping raydeck's errors to one line and exit code 2."""
+    """Entry point: run the app, mapping raydeck's errors to one line and exit code 2.
+
+    Anything else is a bug: its traceback is shown (exit code 1), redacted like every other
+    output, because exceptions of other libraries quote URLs with their credentials.
+    """
     from raydeck.errors import RaydeckError
+    from raydeck.redaction import redact_text
 
     debug = "--debug" in sys.argv
     try:
         app()
     except RaydeckError as exc:
         if debug:
-            raise
-        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+            sys.stderr.write(redact_text(traceback.format_exc()))
+        else:
+            err_console.print(f"[bold red]error:[/] {escape(redact_text(str(exc)))}",
+                              soft_wrap=True)
         sys.exit(EXIT_USER_ERROR)
+    except Exception:
+        sys.stderr.write(redact_text(traceback.format_exc()))
+        sys.exit(EXIT_BUG)

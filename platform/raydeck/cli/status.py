@@ -94,6 +94,7 @@ def _mlflow_row(uri: str) -> tuple[tuple[str, str, str], str | None]:
 def status() -> None:
     """Show the Ray cluster, tracking proxy, MLflow and storage; exit 2 if any is unreachable."""
     from raydeck.config import load_settings
+    from raydeck.redaction import redact_text
     from raydeck.storage import health
 
     settings = load_settings()
@@ -106,10 +107,12 @@ def status() -> None:
         mlflow_row, mlflow_problem = _mlflow_row(settings.tracking.uri)
         storage_rows, storage_problem = health(settings.storage)
     for row in [*ray_rows, mlflow_row, *storage_rows]:
-        table.add_row(*row)
+        # Every cell may quote an address: none may show its user-info.
+        table.add_row(*(redact_text(cell) for cell in row))
     console.print(table)
     problems = [p for p in (ray_problem, mlflow_problem, storage_problem) if p]
     for problem in problems:
-        err_console.print(f"[bold red]error:[/] {escape(problem)}", soft_wrap=True)
+        err_console.print(f"[bold red]error:[/] {escape(redact_text(problem))}",
+                          soft_wrap=True)
     if problems:
         raise typer.Exit(EXIT_USER_ERROR)

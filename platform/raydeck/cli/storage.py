@@ -22,14 +22,16 @@ def init(
 ) -> None:
     """Create the artifacts and checkpoints buckets if missing (idempotent) and probe them."""
     from raydeck.config import load_settings
+    from raydeck.redaction import redact_url
     from raydeck.storage import init_buckets
 
     settings = load_settings()
     setup_logging(settings.log_level)
     storage = settings.storage
-    with console.status(f"checking {storage.endpoint or 'object storage'}..."):
+    endpoint = redact_url(storage.endpoint)
+    with console.status(f"checking {endpoint or 'object storage'}..."):
         reports = init_buckets(storage, probe=probe)
-    table = Table(title=f"object storage at {storage.endpoint} "
+    table = Table(title=f"object storage at {endpoint} "
                         f"(access key id {storage.access_key_id})")
     for column in ("role", "bucket", "state", "probe", "location"):
         table.add_column(column)

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from raydeck.errors import ConfigError
+from raydeck.redaction import RedactingFilter, redact_url
 
 if TYPE_CHECKING:
     from raydeck.config import Settings
@@ -317,11 +318,14 @@ def run_job(train_fn: Callable[[dict[str, Any]], None], *, description: str, run
             argv: list[str] | None = None) -> DigitsRun:
     """The ``main`` of a digits job: parse its command line, train, log where the run is."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
     args = job_arguments(description, run_name).parse_args(argv)
     run = run_digits(
         preset=args.preset, config={name: getattr(args, name) for name in DEFAULT_CONFIG},
         run_name=args.run_name, run_id=args.run_id, mode=args.mode, train_fn=train_fn,
     )
     logger.info("MLflow run %s (%s): val_accuracy %.3f in %.0f s; tracking URI %s",
-                run.run_id, run.run_name, run.val_accuracy, run.wall_time_s, run.tracking_uri)
+                run.run_id, run.run_name, run.val_accuracy, run.wall_time_s,
+                redact_url(run.tracking_uri))
     return run

@@ -3,3 +3,7 @@ raydeck's tracker and checkpoints (``raydeck.integrations.lightning`` for PyTorc
 
 Imported explicitly, so raydeck never imports a framework a job does not use.
 """
+
+from raydeck._internal.lazy import lazy_attributes
+
+__getattr__, __dir__ = lazy_attributes(__name__, ("lightning",))

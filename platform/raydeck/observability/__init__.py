@@ -11,3 +11,9 @@
 - :mod:`raydeck.observability.grafana`: Grafana provisioning, and pushing dashboards (raydeck's
   and Ray's own) with the Prometheus datasource over Grafana's API.
 """
+
+from raydeck._internal.lazy import lazy_attributes
+
+__getattr__, __dir__ = lazy_attributes(
+    __name__, ("alerts", "dashboards", "grafana", "metrics", "prometheus")
+)

@@ -1,8 +1,10 @@
 """What a run records about how it was produced, so it can be reproduced.
 
 On creating a run, the tracker records the git commit and dirty flag of the working directory,
-the entrypoint command, library versions and the Ray runtime env (secrets redacted), using
-MLflow's own tag names where they exist so the MLflow UI shows them.
+the entrypoint command, library versions and the Ray runtime env, using MLflow's own tag names
+where they exist so the MLflow UI shows them. Everything recorded goes through
+:mod:`raydeck.redaction` first: a command line or a runtime env may hold credentials (a
+``--password`` option, a tracking URI with user:password, a token in a pip URL).
 """
 
 from __future__ import annotations
@@ -10,16 +12,13 @@ from __future__ import annotations
 import getpass
 import json
 import platform
-import re
-import shlex
 import subprocess
 import sys
 from importlib import metadata
-from typing import Any
+
+from raydeck.redaction import redact_command, redact_env, redact_text
 
 GIT_TIMEOUT_S = 3.0
-_SECRET_NAME = re.compile(r"SECRET|PASSWORD|TOKEN|CREDENTIAL|ACCESS_KEY|PRIVATE", re.IGNORECASE)
-REDACTED = "<redacted>"
 
 
 def _git(*args: str) -> str | None:
@@ -42,10 +41,11 @@ def _version(package: str) -> str:
 def reproducibility_tags() -> dict[str, str]:
     """Tags describing code, command and environment of the calling process."""
     tags = {
-        "mlflow.source.name": sys.argv[0] if sys.argv and sys.argv[0] else "<interactive>",
+        "mlflow.source.name": (redact_text(sys.argv[0]) if sys.argv and sys.argv[0]
+                               else "<interactive>"),
         "mlflow.source.type": "LOCAL",
         "mlflow.user": getpass.getuser(),
-        "raydeck.entrypoint": shlex.join(sys.argv) if sys.argv else "",
+        "raydeck.entrypoint": redact_command(sys.argv) if sys.argv else "",
         "raydeck.version.python": platform.python_version(),
     }
     for package in ("raydeck", "ray", "torch", "mlflow", "pytorch-lightning"):
@@ -58,21 +58,13 @@ def reproducibility_tags() -> dict[str, str]:
     return tags
 
 
-def redact_runtime_env(runtime_env: dict[str, Any]) -> dict[str, Any]:
-    """A copy of a Ray runtime env with the values of secret-looking variables replaced."""
-    cleaned = dict(runtime_env)
-    env_vars = cleaned.get("env_vars")
-    if isinstance(env_vars, dict):
-        cleaned["env_vars"] = {
-            name: (REDACTED if _SECRET_NAME.search(name) else value)
-            for name, value in env_vars.items()
-        }
-    return cleaned
-
-
 def runtime_env_json() -> str:
-    """The current Ray runtime env, redacted, as JSON."""
+    """The current Ray runtime env as JSON: variables by :func:`~raydeck.redaction.redact_env`,
+    and the whole document (URIs of working dirs, pip requirements) by
+    :func:`~raydeck.redaction.redact_text`."""
     import ray
 
-    env = ray.get_runtime_context().runtime_env if ray.is_initialized() else {}
-    return json.dumps(redact_runtime_env(dict(env or {})), indent=2, sort_keys=True, default=str)
+    runtime_env = dict(ray.get_runtime_context().runtime_env if ray.is_initialized() else {})
+    if isinstance(runtime_env.get("env_vars"), dict):
+        runtime_env["env_vars"] = redact_env(runtime_env["env_vars"])
+    return redact_text(json.dumps(runtime_env, indent=2, sort_keys=True, default=str))

@@ -1,0 +1,1 @@
+"""Helpers nobody outside raydeck should import."""
