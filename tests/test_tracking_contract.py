@@ -217,6 +217,32 @@ def test_shard_and_router_sigkilled_mid_stream(proxy: tuple[MlflowServer, Settin
 
 
 @pytest.mark.timeout(300)
+def test_a_shard_killed_while_mlflow_is_down_replays_its_spool_once(
+        proxy: tuple[MlflowServer, Settings]) -> None:
+    import ray
+
+    import raydeck
+    from raydeck.tracking.proxy import get_shard
+
+    server, settings = proxy
+    tracker = raydeck.get_tracker(run_name="spool-replay", settings=settings)
+    _log_range(tracker, "x", 0, 500)
+    tracker.flush()
+    wait_until(lambda: all(s["queued_entities"] == 0 for s in _shards(settings)), 60,
+               "first points written")
+    server.kill()
+    _log_range(tracker, "x", 500, 3000)
+    tracker.flush()  # spooled, not written: MLflow is down
+    ray.kill(get_shard(settings.ray_namespace, 0), no_restart=False)
+    wait_until(lambda: any(s.get("replay_backlog", 0) > 0 for s in _shards(settings)), 60,
+               "restarted shard replaying its spool")
+    server.start()
+    _log_range(tracker, "x", 3000, 3500)
+    assert tracker.finish().landed
+    _assert_exact(_client(server), tracker.run_id, "x", range(3500))
+
+
+@pytest.mark.timeout(300)
 def test_a_sigkilled_worker_keeps_what_it_flushed_and_cannot_end_the_run(
     ray_cluster: None, mlflow_client: Any
 ) -> None:

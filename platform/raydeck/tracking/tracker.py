@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 SANITIZED_METRIC = "raydeck/sanitized_values"
 DROPPED_METRIC = "raydeck/dropped_values"
 RESOLVE_TIMEOUT_S = 60.0
+# known_run_id's look-up of a run id the process does not have yet (see there).
+RUN_ID_PROBE_INTERVAL_S = 30.0
+RUN_ID_PROBE_TIMEOUT_S = 1.0
 
 
 class Tracker:
@@ -97,6 +100,7 @@ class Tracker:
         self._sample_interval_s = settings.tracking.system_metrics_interval_s
         self._next_sample = time.monotonic()
         self._sample_step = 0
+        self._run_id_probed_at = -RUN_ID_PROBE_INTERVAL_S
         self._open_delivery = Delivery(settings, request, binding, self._collect, self._on_bound)
         if binding is not None:
             self._on_bound(binding)
@@ -205,9 +209,28 @@ class Tracker:
         return found
 
     def known_run_id(self) -> str:
-        """MLflow's run id if already known, else "" (never waits; for labels and logs)."""
+        """MLflow's run id if known, else "" (for labels and logs; never waits on MLflow).
+
+        A process that attached before the shard created the run learns its id here: at most
+        once per ``RUN_ID_PROBE_INTERVAL_S`` it asks the shard, without waiting for MLflow and
+        for at most ``RUN_ID_PROBE_TIMEOUT_S`` when the shard is slow to answer.
+        """
         binding = self._open_delivery.binding
-        return binding.run_id if binding else ""
+        if binding is None or binding.run_id:
+            return binding.run_id if binding else ""
+        now = time.monotonic()
+        if now - self._run_id_probed_at < RUN_ID_PROBE_INTERVAL_S:
+            return ""
+        self._run_id_probed_at = now
+        try:
+            found = ray.get(self._open_delivery.shard().resolve.remote(binding.run_key, 0.0),
+                            timeout=RUN_ID_PROBE_TIMEOUT_S)
+        except Exception:  # a label may stay empty; training goes on
+            return ""
+        if found is None:
+            return ""
+        self._open_delivery.learned_run_id(found.run_id)
+        return str(found.run_id)
 
     @property
     def run_name(self) -> str:
