@@ -10,12 +10,15 @@ sinks the rest. Does not own: when to retry (the shard) or durability (the spool
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import logging
 import os
 import re
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -171,19 +174,56 @@ class OpenedRun:
     params: dict[str, str]
 
 
+@contextlib.contextmanager
+def _store_init_lock(tracking_uri: str) -> Iterator[None]:
+    """Serialize opening a ``sqlite:`` store across processes.
+
+    Opening a new SQLite store runs MLflow's schema migrations; two shards (or a shard and the
+    router) doing it at once on a fresh file break each other's migration. Other stores need no
+    lock: a server or a SQL database migrates once, elsewhere.
+    """
+    if not tracking_uri.startswith("sqlite:///"):
+        yield
+        return
+    lock_path = tracking_uri[len("sqlite:///"):].split("?")[0] + ".raydeck-open.lock"
+    try:
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError:  # no directory (yet): MLflow's own error says so on first use
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 class MlflowWriter:
     """Writes to one MLflow tracking server. Thread-safe: the shard's writers share it."""
 
     def __init__(self, tracking_uri: str, policy: FailurePolicy | None = None) -> None:
         os.environ.update(MLFLOW_REQUEST_ENV)
         self.tracking_uri = tracking_uri
-        self.client = MlflowClient(tracking_uri=tracking_uri)
         self.policy = policy or FailurePolicy()
+        self._client: MlflowClient | None = None
+        self._client_lock = threading.Lock()
 
-    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        """Run one MLflow call; failures come out as Transient- or PermanentWriteError."""
+    @property
+    def client(self) -> MlflowClient:
+        """MLflow's client, made on first use: for a SQL URI making it connects to the database
+        (and migrates a new one), which may fail while the database is down; that failure is a
+        write error like any other, never one that stops the shard from starting."""
+        if self._client is None:
+            with self._client_lock:
+                if self._client is None:
+                    with _store_init_lock(self.tracking_uri):
+                        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``client.<method>``; failures come out as Transient- or PermanentWriteError."""
         try:
-            return fn(*args, **kwargs)
+            return getattr(self.client, method)(*args, **kwargs)
         except Exception as exc:
             verdict = self.policy.classify(exc)
             if verdict.transient:
@@ -211,7 +251,7 @@ class MlflowWriter:
         if not (metrics or params or tags):
             return
         try:
-            self._call("log_batch", self.client.log_batch, run_id, metrics=metrics,
+            self._call("log_batch", "log_batch", run_id, metrics=metrics,
                        params=params, tags=tags, synchronous=True)
             return
         except PermanentWriteError as exc:
@@ -232,18 +272,18 @@ class MlflowWriter:
         entity = Dataset(name=dataset.name, digest=dataset.digest,
                          source_type=dataset.source_type, source=dataset.source,
                          schema=dataset.schema or None, profile=dataset.profile or None)
-        self._call("log_inputs", self.client.log_inputs, run_id,
+        self._call("log_inputs", "log_inputs", run_id,
                    datasets=[DatasetInput(dataset=entity, tags=tags)])
 
     # --- artifacts --------------------------------------------------------------------------
     def upload_file(self, run_id: str, path: Path, artifact_dir: str) -> None:
         """Upload one local file to ``<artifact root>/<artifact_dir>/<path.name>``."""
         self._call(f"artifact upload {artifact_dir + '/' if artifact_dir else ''}{path.name}",
-                   self.client.log_artifact, run_id, str(path), artifact_dir or None)
+                   "log_artifact", run_id, str(path), artifact_dir or None)
 
     def history_steps(self, run_id: str, key: str) -> list[int]:
         """Steps of every point of metric ``key`` MLflow holds for a run."""
-        history = self._call("metric history", self.client.get_metric_history, run_id, key)
+        history = self._call("metric history", "get_metric_history", run_id, key)
         return [m.step for m in history]
 
     # --- runs -------------------------------------------------------------------------------
@@ -255,33 +295,32 @@ class MlflowWriter:
             raise PermanentWriteError(f"run key {key!r} is not a valid run key")
         if re.fullmatch(r"[0-9a-f]{32}", key):
             try:
-                return self.client.get_run(key)
-            except MlflowException as exc:
-                if exc.get_http_status_code() != 404:
-                    verdict = self.policy.classify(exc)
-                    if verdict.transient:
-                        raise TransientWriteError(f"get_run: {verdict.reason}") from exc
-                    raise PermanentWriteError(f"get_run: {verdict.reason}") from exc
+                return self._call("get_run", "get_run", key)
+            except PermanentWriteError as exc:
+                cause = exc.__cause__
+                if not (isinstance(cause, MlflowException)
+                        and cause.get_http_status_code() == 404):
+                    raise
         if experiment_ids is None:
-            experiments = self._call("search_experiments", self.client.search_experiments,
+            experiments = self._call("search_experiments", "search_experiments",
                                      max_results=1000)
             experiment_ids = [e.experiment_id for e in experiments]
         if not experiment_ids:
             return None
-        hits = self._call("search_runs", self.client.search_runs, experiment_ids,
+        hits = self._call("search_runs", "search_runs", experiment_ids,
                           filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=1)
         return hits[0] if hits else None
 
     def experiment_id(self, name: str, artifact_location: str) -> str:
-        exp = self._call("get_experiment_by_name", self.client.get_experiment_by_name, name)
+        exp = self._call("get_experiment_by_name", "get_experiment_by_name", name)
         if exp is not None:
             return str(exp.experiment_id)
         try:
-            return str(self._call("create_experiment", self.client.create_experiment, name,
+            return str(self._call("create_experiment", "create_experiment", name,
                                   artifact_location=artifact_location or None))
         except PermanentWriteError:
             # Another shard or router created it first.
-            exp = self._call("get_experiment_by_name", self.client.get_experiment_by_name, name)
+            exp = self._call("get_experiment_by_name", "get_experiment_by_name", name)
             if exp is None:
                 raise
             return str(exp.experiment_id)
@@ -295,7 +334,7 @@ class MlflowWriter:
             all_tags = {RUN_KEY_TAG: key, MODE_TAG: mode, **tags}
             if parent_run_id:
                 all_tags["mlflow.parentRunId"] = parent_run_id
-            created = self._call("create_run", self.client.create_run, experiment_id,
+            created = self._call("create_run", "create_run", experiment_id,
                                  run_name=name, tags=all_tags)
             return OpenedRun(created.info.run_id, experiment_id, mode, name, False, {})
         if found is None:
@@ -303,13 +342,13 @@ class MlflowWriter:
                 f"run id {key!r} looks like an MLflow run id, but MLflow has no such run; pass "
                 "an existing run id, or a name of your own (letters, digits, _ . -)")
         if found.info.status != "RUNNING":
-            self._call("update_run", self.client.update_run, found.info.run_id, status="RUNNING")
+            self._call("update_run", "update_run", found.info.run_id, status="RUNNING")
         return OpenedRun(found.info.run_id, found.info.experiment_id,
                          found.data.tags.get(MODE_TAG, mode), found.info.run_name or name, True,
                          dict(found.data.params))
 
     def end_run(self, run_id: str, status: str) -> None:
-        self._call("set_terminated", self.client.set_terminated, run_id, status=status,
+        self._call("set_terminated", "set_terminated", run_id, status=status,
                    end_time=int(time.time() * 1000))
 
 
