@@ -115,8 +115,11 @@ def test_the_proxy_stops_itself_when_idle(tmp_path: Path, ray_cluster: None,
 
     settings = isolated_settings(tmp_path, mlflow_server.uri, idle_timeout_s=3.0)
     try:
-        raydeck.get_tracker(settings=settings).finish()
-        assert find_router(settings.ray_namespace) is not None
+        tracker = raydeck.get_tracker(settings=settings)
+        tracker.log_metric("x", 1.0)
+        tracker.flush()
+        assert find_router(settings.ray_namespace) is not None  # busy: it stays
+        tracker.finish()
         wait_until(lambda: find_router(settings.ray_namespace) is None, 60, "proxy idle stop")
     finally:
         stop_proxy(settings.ray_namespace, 0)
@@ -140,7 +143,7 @@ def test_tracking_status_and_stop_commands(tmp_path: Path, ray_cluster: None,
         shown = subprocess.run([sys.executable, "-m", "raydeck.cli", "tracking", "status"],
                                env=env, capture_output=True, text=True, timeout=120)
         assert shown.returncode == 0, shown.stderr
-        assert tracker.run_key in shown.stdout and tracker.run_id in shown.stdout
+        assert tracker.run_key in shown.stdout and tracker.run_id in shown.stdout, shown.stdout
         tracker.finish()
         stopped = subprocess.run([sys.executable, "-m", "raydeck.cli", "tracking", "stop"],
                                  env=env, capture_output=True, text=True, timeout=180)

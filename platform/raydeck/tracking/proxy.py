@@ -145,8 +145,14 @@ class Router:
 
     @ray.method(concurrency_group="wait")
     def status(self) -> dict[str, Any]:
-        return {"runs": self.core.status(), "shards": self._shard_stats(),
-                "outbox": self.core.outbox_size()}
+        shards = self._shard_stats()
+        # The router hands a new run to its shard, which creates it in MLflow: the shard knows
+        # the run id first.
+        created = {key: run_id for shard in shards
+                   for key, run_id in shard.get("run_ids", {}).items()}
+        runs = [{**run, "run_id": run["run_id"] or created.get(run["key"], "")}
+                for run in self.core.status()]
+        return {"runs": runs, "shards": shards, "outbox": self.core.outbox_size()}
 
     def _shard_stats(self) -> list[dict[str, Any]]:
         refs = [shard.stats.remote() for shard in self.shards]

@@ -294,8 +294,12 @@ class RouterCore:
             run_id=run.run_id if run_key == run.key else "",
             experiment=run.experiment, run_name=run.name, mode=run.mode,
             shard_index=self.shard_of(run.key),
-            is_primary=run.primary == request.client_id, created=not run.existed,
-            resumed=run.existed, sample_system=sample_system, active=active,
+            is_primary=run.primary == request.client_id,
+            # Created by this process only if it opened a run new to MLflow; every other
+            # process attaches to a run that exists (in MLflow, or being opened by another).
+            created=not run.existed and run.primary == request.client_id,
+            resumed=run.existed or run.primary != request.client_id,
+            sample_system=sample_system, active=active,
             existing_params=dict(run.params),
         )
 

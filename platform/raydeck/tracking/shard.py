@@ -449,6 +449,7 @@ class ShardCore:
                 for run in self._runs.values()
                 if not run.empty or self._dead_counts.get(run.key) or run.last_error
             ]
+            run_ids = {run.key: run.record.run_id for run in self._runs.values() if run.record}
             queued_points = sum(run.counts["points"] for run in self._runs.values())
             queued = sum(run.entities for run in self._runs.values())
             backing_off = any(run.backoff_until > time.monotonic() and not run.empty
@@ -465,6 +466,7 @@ class ShardCore:
             "queued_entities": queued,
             "runs_pending": sorted(r["key"] for r in runs if r["entities"]),
             "runs": runs,
+            "run_ids": run_ids,
             "spool_bytes": self.spool.size_bytes(),
             "replay_backlog": self._recovered,
             "dead_letters": sum(self._dead_counts.values()),
