@@ -430,10 +430,19 @@ class Delivery:
         (the router presumes this process gone otherwise)."""
         while True:
             try:
-                ended: list[str] = ray.get(
+                ended: list[str] | None = ray.get(
                     self._router.detach.remote(self._request.client_id, status),
                     timeout=max(0.1, deadline - time.monotonic()))
-                return ended
+                if ended is not None:
+                    return ended
+                # A restarted router that has not heard from this process yet: attach again
+                # (as the heartbeat would), so that this detach can end the run.
+                if time.monotonic() >= deadline:
+                    raise TrackingUnavailableError(
+                        f"tracking router lost this process's part in run "
+                        f"{self._request.run_key} and it could not attach again")
+                time.sleep(0.2)
+                self.reconnect()
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 if time.monotonic() >= deadline:
                     raise TrackingUnavailableError(

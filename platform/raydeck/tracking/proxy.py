@@ -132,7 +132,7 @@ class Router:
         return self.core.heartbeat(client_ids)
 
     @ray.method(concurrency_group="io")
-    def detach(self, client_id: str, status: str) -> list[str]:
+    def detach(self, client_id: str, status: str) -> list[str] | None:
         return self.core.detach(client_id, status)
 
     @ray.method(concurrency_group="io")

@@ -144,6 +144,8 @@ class RouterCore:
         self._runs: dict[str, _Run] = {}
         self._aliases: dict[str, str] = {}
         self._by_client: dict[str, str] = {}
+        # Clients whose part end_run ended for them: their own detach has nothing left to do.
+        self._released: set[str] = set()
         self._outbox: list[Control] = []
         self._outbox_lock = threading.Lock()
         self._idle_since: float | None = time.monotonic()
@@ -318,18 +320,22 @@ class RouterCore:
                     run.participants[client_id].last_seen = now
         return unknown
 
-    def detach(self, client_id: str, status: str) -> list[str]:
+    def detach(self, client_id: str, status: str) -> list[str] | None:
         """A tracker left. The run ends only when its primary has and nobody is left.
 
         Returns the keys of the runs this ended (the run, per-rank children), so the caller
-        can wait until their end is written.
+        can wait until their end is written; None when this router does not know the client
+        (it restarted since the client attached): the client attaches again, then detaches.
         """
         _check_status(status)
         with self._lock:
             key = self._by_client.get(client_id)
             run = self._runs.get(key) if key else None
             if run is None or client_id not in run.participants:
-                return []
+                if client_id in self._released:
+                    self._released.discard(client_id)
+                    return []
+                return None
             controls = self._drop(run, client_id, status=status)
             controls += self._maybe_end(run)
         self._deliver(controls)
@@ -349,6 +355,7 @@ class RouterCore:
             controls = [Control(self.shard_of(run.key), run.key, "tags", dict(tags))]
             for client_id in list(run.participants):
                 controls += self._drop(run, client_id, status=status)
+                self._released.add(client_id)
             run.primary_status = status
             controls += self._maybe_end(run)
         self._deliver(controls)

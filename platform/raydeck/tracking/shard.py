@@ -160,7 +160,7 @@ class _RunQueue:
         self.log_due = False
         self.log_since: float | None = None
         self.last_error = ""
-        self.warned = ""  # the last error warned about, so a repeating one is logged once
+        self.warned = ""  # the error warned about since the last success: one warning an outage
         self.failed_open = ""
         self.waiting_parent_since: float | None = None
 
@@ -169,6 +169,11 @@ class _RunQueue:
                        tags=self.counts["tags"], files=self.counts["files"],
                        log_bytes=self.counts["log_bytes"], other=self.counts["other"],
                        last_error=self.last_error)
+
+    def backing_off(self, now: float) -> bool:
+        """Whether the run, or one of its files, waits out a backoff after a failed write."""
+        return self.backoff_until > now or any(
+            retry_at > now for _, _, retry_at in self.file_retry.values())
 
     @property
     def empty(self) -> bool:
@@ -443,7 +448,7 @@ class ShardCore:
                  "pending": run.pending().describe() if not run.empty else "",
                  "entities": run.entities, "dead_letters": self._dead_counts.get(run.key, 0),
                  "last_error": run.last_error,
-                 "state": ("backing_off" if run.backoff_until > time.monotonic()
+                 "state": ("backing_off" if run.backing_off(time.monotonic())
                            else "writing" if run.in_flight or run.meta_busy or run.file_busy
                            else "idle")}
                 for run in self._runs.values()
@@ -452,7 +457,7 @@ class ShardCore:
             run_ids = {run.key: run.record.run_id for run in self._runs.values() if run.record}
             queued_points = sum(run.counts["points"] for run in self._runs.values())
             queued = sum(run.entities for run in self._runs.values())
-            backing_off = any(run.backoff_until > time.monotonic() and not run.empty
+            backing_off = any(run.backing_off(time.monotonic()) and not run.empty
                               for run in self._runs.values())
             state = (WriterState.BACKING_OFF if backing_off
                      else WriterState.WRITING if self._busy_writers else WriterState.IDLE)
@@ -853,6 +858,7 @@ class ShardCore:
             self.written += written
             run.attempts = 0
             run.last_error = ""
+            run.warned = ""
             if work.action == "logs":
                 run.log_since = time.monotonic() if run.counts["log_bytes"] else None
             if run.entities == 0:
@@ -903,7 +909,7 @@ class ShardCore:
             else:
                 run.attempts += 1
                 run.backoff_until = now + _backoff_s(run.attempts)
-            first_failure = run.warned != reason
+            first_failure = not run.warned
             run.warned = reason
             run.last_error = reason
             self.last_error = reason
