@@ -63,3 +63,13 @@ class QueryError(MonitoringError):
 
 class JobSubmissionError(RaydeckError):
     """A job cannot run on the cluster as asked (e.g. the cluster's Python lacks raydeck)."""
+
+
+class SweepInterruptedError(RaydeckError):
+    """A sweep's driver was stopped (SIGTERM, SIGINT) while trials ran; they were marked
+    ``preempted`` and ``--resume`` continues them."""
+
+
+class SweepFinalizeError(RaydeckError):
+    """Every trial of a sweep ended, but its summary or registry step failed; the trials' runs
+    and checkpoints are intact and ``--resume`` redoes the step."""
