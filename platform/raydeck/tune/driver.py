@@ -79,13 +79,22 @@ def sweep(
         SweepFinalizeError: every trial ended but the summary or registry step failed; the
             trials' runs and checkpoints are intact and ``resume=True`` redoes the step.
     """
+    started = time.perf_counter()
+    # Ray Tune's control loop draws from Python's global generator (it shuffles its futures
+    # every step), and some libraries draw from it when first imported: the sweep runs on a
+    # private state, so the caller's is left as it was.
+    with PrivateRandom(config.seed).active():
+        result = _sweep(job, space, config, settings or load_settings(), resume)
+    return dataclasses.replace(result, wall_time_s=time.perf_counter() - started)
+
+
+def _sweep(job: SweepJob, space: SearchSpace | Mapping[str, Any] | None, config: SweepConfig,
+           settings: Settings, resume: bool) -> SweepResult:
     from raydeck.cluster import connect
     from raydeck.scaling import check_feasible, get_preset
     from raydeck.storage import verify
     from raydeck.tracking import get_tracker
 
-    started = time.perf_counter()
-    settings = settings or load_settings()
     storage = sweep_storage(settings)
     if resume:
         config = _stored_config(storage, config)
@@ -114,9 +123,7 @@ def sweep(
         _wait_for_previous_attempt(recorded[DRIVER_JOB_TAG])
 
     monitor = SweepMonitor(config, settings.ray_namespace)
-    # Ray Tune's control loop draws from Python's global generator (it shuffles its futures
-    # every step): the sweep runs on a private state, so the caller's is left as it was.
-    with parent, monitoring(monitor), PrivateRandom(config.seed).active():
+    with parent, monitoring(monitor):
         run_trial = trainable(job, config, settings)
         if resume:
             tuner = _restored_tuner(storage, config, run_trial)
@@ -136,9 +143,8 @@ def sweep(
                 monitor.loop_ended()
         if stop.signal_name is not None:
             _interrupted(stop, parent, config)
-        result = _finalize(grid, config, monitor, parent, job, settings,
-                           recorded.get(REGISTERED_MODEL_TAG))
-    return dataclasses.replace(result, wall_time_s=time.perf_counter() - started)
+        return _finalize(grid, config, monitor, parent, job, settings,
+                         recorded.get(REGISTERED_MODEL_TAG))
 
 
 # --- checks -------------------------------------------------------------------------------------

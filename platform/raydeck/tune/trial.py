@@ -26,16 +26,18 @@ from the source's.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import tempfile
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from raydeck.config import Settings
-from raydeck.errors import ConfigError
+from raydeck.errors import ConfigError, TrackingUnavailableError
 from raydeck.tune.config import SweepConfig, SweepJob
 from raydeck.tune.scheduling import LINEAGE_KEY
 from raydeck.tune.space import as_text, flatten
@@ -50,24 +52,70 @@ MAX_TAG_CHARS = 5000
 # this long for the TorchTrainer to abort before leaving (Tune reuses the process only if the
 # trial ends within ~2 s, else it replaces the process, which stops the TorchTrainer anyway).
 REPORT_POLL_S = 0.5
+# How long a trial waits for its run to be bound (the proxy retries MLflow meanwhile).
+BIND_TIMEOUT_S = 300.0
 ABORT_WAIT_S = 1.5
 # Keep every checkpoint of a trial: with a limit, Tune snapshots the whole experiment each
 # time a trial has checkpointed that many times (measured ~0.6 s per iteration on 2 cores).
 CHECKPOINTS_KEPT_PER_TRIAL: int | None = None
 
 
-@dataclass
 class _Trial:
-    """The trial this process runs right now (one at a time: Tune runs one per actor)."""
+    """The trial this process runs right now (one at a time: Tune runs one per actor).
 
-    tracker: Any
-    trial_id: str
-    iteration: int = 0  # Tune's training_iteration: the model's age in iterations
-    step: int = 0  # the child run's step of the last reported point
-    position_known: bool = False
+    Its tracker binds in the background while the job builds its model and trains its first
+    iteration (a fresh single-process trial; see :func:`_run_trial`); :meth:`tracker` waits
+    for it.
+    """
+
+    def __init__(self, trial_id: str, saved: dict[str, Any] | None) -> None:
+        self.trial_id = trial_id
+        self.saved = saved
+        own = saved is not None and saved["trial_id"] == trial_id
+        # Tune's training_iteration (the model's age) and the child run's step of the last
+        # reported point; a PBT exploit takes the source's age and sets the step when bound.
+        self.iteration = int(saved["iteration"]) if saved else 0
+        self.step = int(saved["step"]) if own and saved else 0
+        self.position_known = saved is not None
+        self._tracker: Any = None
+        self._error: BaseException | None = None
+        self._bound = threading.Event()
+
+    def bind(self, attach: Callable[[_Trial], Any], background: bool) -> None:
+        """Run ``attach(self)`` (returns the tracker), now or in a thread."""
+        def run() -> None:
+            try:
+                self._tracker = attach(self)
+            except BaseException as exc:
+                self._error = exc
+            finally:
+                self._bound.set()
+
+        if background:
+            threading.Thread(target=run, name=f"raydeck-bind-{self.trial_id}",
+                             daemon=True).start()
+        else:
+            run()
+
+    def tracker(self) -> Any:
+        """The trial's tracker, once bound.
+
+        Raises:
+            TrackingUnavailableError (or whatever binding raised): the run could not be bound.
+        """
+        if not self._bound.wait(BIND_TIMEOUT_S):
+            raise TrackingUnavailableError(
+                f"trial {self.trial_id} could not bind to its MLflow run within "
+                f"{BIND_TIMEOUT_S:.0f} s; `raydeck tracking status` shows the proxy")
+        if self._error is not None:
+            raise self._error
+        return self._tracker
 
 
 _current: _Trial | None = None
+# Trials of this process still leaving their runs (see _finish_in_background), by trial id.
+_leaving: dict[str, threading.Thread] = {}
+_leaving_lock = threading.Lock()
 
 
 def _active() -> _Trial:
@@ -100,9 +148,9 @@ def report(
     from raydeck.checkpointing import write_state
 
     trial = _active()
+    tracker = trial.tracker()
     trial.iteration += 1
     trial.step += 1
-    tracker = trial.tracker
     tracker.log_metrics(metrics, step=trial.step)
     tracker.flush()
     reported = {**metrics, "training_iteration": trial.iteration}
@@ -175,20 +223,25 @@ def _run_trial(job: SweepJob, config: SweepConfig, settings: Settings, preset: A
     global _current
     from ray import tune
 
-    from raydeck.tracking import get_tracker
-
     trial_config = dict(trial_config)
     exploit = trial_config.pop(LINEAGE_KEY, None)
     trial_id = str(tune.get_context().get_trial_id())
-    tracker = get_tracker(config.trial_key(trial_id), parent_run_id=config.key,
-                          experiment=experiment, run_name=f"{config.name}-{trial_id}",
-                          settings=settings)
-    trial = _start(tracker, trial_id, trial_config, exploit, job, config.key)
+    _wait_until_left(trial_id)
+    checkpoint = tune.get_checkpoint()
+    trial = _Trial(trial_id, _saved_position(checkpoint))
     if trial.iteration >= config.max_t:
         # Restored at its last iteration (the previous driver died before it recorded the
         # end): nothing is left to train, and one more iteration would exceed max_t.
-        tracker.finish(wait=False)
         return
+    # Binding to the run takes the tracking proxy a few MLflow calls. A fresh single-process
+    # trial does it while the job builds its model and trains its first iteration; report()
+    # waits for it. A distributed trial's workers need the run first; a resumed or exploited
+    # trial needs it to know which steps its run holds.
+    trial.bind(
+        functools.partial(_bind, config=config, settings=settings, experiment=experiment,
+                          trial_config=trial_config, exploit=exploit, job=job),
+        background=not job.distributed and checkpoint is None and exploit is None,
+    )
     _current = trial
     try:
         if job.distributed:
@@ -197,29 +250,54 @@ def _run_trial(job: SweepJob, config: SweepConfig, settings: Settings, preset: A
             job.train_fn(trial_config, data)
     except SystemExit:
         # Tune stops a trial (the scheduler, max_t, a pause) by raising SystemExit from
-        # tune.report; the driver records why. Leave fast: Tune reuses this process for the
-        # next trial only if the function ends within ~2 s.
-        tracker.finish(wait=False)
+        # tune.report; the driver records why. Tune reuses this process for the next trial only
+        # if the function ends within ~2 s, so the run is left in the background.
+        _finish_in_background(trial)
         raise
     except BaseException as exc:
-        tracker.set_tags({TRIAL_ERROR_TAG: error_line(exc)})
-        tracker.finish("FAILED")
+        with contextlib.suppress(Exception):
+            tracker = trial.tracker()
+            tracker.set_tags({TRIAL_ERROR_TAG: error_line(exc)})
+            tracker.finish("FAILED")
         raise
     finally:
         _current = None
-    tracker.finish()
+    trial.tracker().finish()
 
 
-def _start(tracker: Any, trial_id: str, trial_config: dict[str, Any],
-           exploit: dict[str, Any] | None, job: SweepJob, sweep_key: str) -> _Trial:
-    """Bind the trial to its run: tags, params, where its steps continue, PBT lineage."""
-    from ray import tune
+def _finish_in_background(trial: _Trial) -> None:
+    """Leave the trial's run (deliver what is buffered, detach) in a thread of this process."""
+    def leave() -> None:
+        try:
+            trial.tracker().finish(wait=False)
+        except Exception as exc:
+            logger.warning("trial %s could not leave its run cleanly: %s", trial.trial_id, exc)
 
+    thread = threading.Thread(target=leave, name=f"raydeck-leave-{trial.trial_id}", daemon=True)
+    with _leaving_lock:
+        _leaving[trial.trial_id] = thread
+    thread.start()
+
+
+def _wait_until_left(trial_id: str) -> None:
+    """A trial restarted in this process (PBT) binds again only once it has left its run."""
+    with _leaving_lock:
+        thread = _leaving.pop(trial_id, None)
+    if thread is not None:
+        thread.join(BIND_TIMEOUT_S)
+
+
+def _bind(trial: _Trial, *, config: SweepConfig, settings: Settings, experiment: str,
+          trial_config: dict[str, Any], exploit: dict[str, Any] | None, job: SweepJob) -> Any:
+    """Attach the trial to its child run: tags, params, where its steps continue, lineage."""
+    from raydeck.tracking import get_tracker
     from raydeck.tune.lineage import record_exploit
 
-    trial = _Trial(tracker=tracker, trial_id=trial_id)
+    tracker = get_tracker(config.trial_key(trial.trial_id), parent_run_id=config.key,
+                          experiment=experiment, run_name=f"{config.name}-{trial.trial_id}",
+                          settings=settings)
     # The trial's status tag is written by the driver alone (Tune knows why a trial ended).
-    tags: dict[str, Any] = {TRIAL_ID_TAG: trial_id, SWEEP_TAG: sweep_key}
+    tags: dict[str, Any] = {TRIAL_ID_TAG: trial.trial_id, SWEEP_TAG: config.key}
     text = json.dumps(flatten(trial_config), sort_keys=True)
     if len(text) <= MAX_TAG_CHARS:
         tags[CONFIG_TAG] = text
@@ -232,18 +310,14 @@ def _start(tracker: Any, trial_id: str, trial_config: dict[str, Any],
         tracker.skip_logged_steps(job.reports)
         tags[RESUMED_TAG] = "true"
     tracker.set_tags(tags)
-    saved = _saved_position(tune.get_checkpoint())
-    if saved is not None and saved["trial_id"] == trial_id:
-        trial.iteration, trial.step = int(saved["iteration"]), int(saved["step"])
-    elif saved is not None:
-        # PBT: this trial continues from another trial's checkpoint, with new values.
-        trial.iteration, trial.step = int(saved["iteration"]), held_through
-    trial.position_known = saved is not None
+    if trial.saved is not None and trial.saved["trial_id"] != trial.trial_id:
+        # PBT: this trial continues from another trial's checkpoint, after its own last step.
+        trial.step = held_through
     if exploit is not None:
         record_exploit(tracker, exploit, trial_config, first_step=trial.step + 1)
     else:
         tracker.log_params({name: as_text(value) for name, value in flatten(trial_config).items()})
-    return trial
+    return tracker
 
 
 def _saved_position(checkpoint: Any) -> dict[str, Any] | None:
@@ -288,7 +362,7 @@ def _fit_distributed(job: SweepJob, config: SweepConfig, trial_config: dict[str,
         job.train_fn,
         train_loop_config={**trial_config, "data": data},
         scaling_config=preset.scaling_config(),
-        run_config=trial.tracker.run_config(
+        run_config=trial.tracker().run_config(
             **checkpoint_storage(settings).run_config_kwargs(),
             failure_config=FailureConfig(max_failures=preset.max_failures),
             # Keep the best epochs by the sweep's metric (the best one is registered) and,
@@ -310,6 +384,7 @@ def _fit_distributed(job: SweepJob, config: SweepConfig, trial_config: dict[str,
 
     thread = threading.Thread(target=fit, name=f"raydeck-trial-{trial.trial_id}", daemon=True)
     thread.start()
+    tracker = trial.tracker()
     controller = None
     try:
         while True:
@@ -320,8 +395,8 @@ def _fit_distributed(job: SweepJob, config: SweepConfig, trial_config: dict[str,
                     break
                 continue
             controller = item["controller"]
-            log_points(trial.tracker, item["points"])
-            trial.tracker.flush()
+            log_points(tracker, item["points"])
+            tracker.flush()
             metrics = dict(item["metrics"])
             if "epoch" in metrics:
                 metrics["training_iteration"] = int(metrics["epoch"]) + 1
