@@ -330,12 +330,23 @@ def two_node_cluster(tmp_path_factory: pytest.TempPathFactory, raydeck_env: dict
     root = tmp_path_factory.mktemp("two-nodes")
     env = {**_clean_env(), **{k: v for k, v in TEST_ENV.items() if k != "RAY_AUTH_MODE"},
            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
-    head = RayHead(root, env, num_cpus=2).start()
+    head = _started_head(root, env)
     try:
         head.add_worker_node(num_cpus=2)
         yield head
     finally:
         head.stop()
+
+
+def _started_head(root: Path, env: dict[str, str], attempts: int = 3) -> RayHead:
+    """A started head; on a busy machine Ray's fixed 30 s registration deadline can fail one."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return RayHead(root / f"head-{attempt}", env, num_cpus=2).start()
+        except (TimeoutError, RuntimeError):
+            if attempt == attempts:
+                raise
+    raise AssertionError("unreachable")
 
 
 @pytest.mark.slow

@@ -88,6 +88,8 @@ class SweepMonitor:
         self._lock = threading.Lock()
         self._stopped_at: dict[str, int] = {}
         self._outcomes: dict[str, TrialOutcome] = {}
+        # The pending "end this child run" call of each trial that ended in this driver.
+        self._ending: dict[str, tuple[TrialOutcome, Any]] = {}
         self._iterations: dict[str, int] = {}
         self._running: set[str] = set()
         self._timings: dict[str, _TrialTiming] = {}
@@ -165,7 +167,9 @@ class SweepMonitor:
             self._outcomes[trial_id] = outcome
             if trial_id in self._running:
                 self._close_interval(trial_id, now)
-        end_child_run(self.config, self.namespace, trial_id, outcome, wait_s=0)
+        ref = end_child_run(self.config, self.namespace, trial_id, outcome, wait_s=None)
+        with self._lock:
+            self._ending[trial_id] = (outcome, ref)
 
     def _close_interval(self, trial_id: str, at: float) -> None:
         """Caller holds the lock."""
@@ -196,6 +200,12 @@ class SweepMonitor:
     def outcome(self, trial_id: str) -> TrialOutcome | None:
         with self._lock:
             return self._outcomes.get(trial_id)
+
+    def ending(self, trial_id: str, outcome: TrialOutcome) -> Any:
+        """The pending call ending this trial's run with ``outcome`` (None if there is none)."""
+        with self._lock:
+            sent = self._ending.get(trial_id)
+        return sent[1] if sent is not None and sent[0] == outcome else None
 
     def stopped_at(self, trial_id: str) -> int | None:
         with self._lock:
@@ -249,9 +259,9 @@ def end_child_run(config: SweepConfig, namespace: str, trial_id: str, outcome: T
     """End a trial's child run with ``outcome`` (status tags and MLflow status).
 
     Through the tracking proxy's router, which also releases the trial's processes from the
-    run. ``wait_s=0`` fires and forgets, ``None`` returns the pending reference, a number waits
-    that long. Never raises: a failure here must not fail the trial in Tune (the summary ends
-    every run again, and waits).
+    run. ``None`` returns the pending reference (it resolves to False if the router does not
+    know the run), a number waits that long. Never raises: a failure here must not fail the
+    trial in Tune (the summary awaits every trial's record and writes what did not land).
     """
     import ray
 

@@ -93,17 +93,18 @@ def summarize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(settings.tracking.uri)
-    children = {run.data.tags.get("raydeck.trial_id"): run for run in client.search_runs(
+    children = {str(run.data.tags.get("raydeck.trial_id")): run for run in client.search_runs(
         [parent.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'",
         max_results=10_000)}
     better = max if config.mode == "max" else min
     trials = []
+    outcomes: dict[str, TrialOutcome] = {}
     for result in grid:
         trial_id = str(result.metrics.get("trial_id", ""))
         iteration = int(result.metrics.get("training_iteration", 0) or 0)
         child = children.get(trial_id)
-        outcome = _final_outcome(result, trial_id, iteration, monitor, child)
-        end_child_run(config, monitor.namespace, trial_id, outcome, wait_s=END_RUN_TIMEOUT_S)
+        outcome = outcomes[trial_id] = _final_outcome(result, trial_id, iteration, monitor,
+                                                      child)
         history = result.metrics_dataframe
         scores = (history[config.metric].dropna().tolist()
                   if history is not None and config.metric in history else [])
@@ -115,6 +116,7 @@ def summarize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any
             time_total_s=float(result.metrics.get("time_total_s", 0.0) or 0.0),
             rung=outcome.rung, error=outcome.error,
         ))
+    _record_outcomes(config, monitor, outcomes, children, client)
     scored = [(t.best_score, t) for t in trials
               if t.best_score is not None and not math.isnan(t.best_score)]
     if not scored:
@@ -131,6 +133,36 @@ def summarize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any
         best_config=best.config, best_score=best_score, trials=tuple(trials),
         registered_model_uri=None, wall_time_s=0.0, slot_usage=usage,
     )
+
+
+def _record_outcomes(config: SweepConfig, monitor: SweepMonitor,
+                     outcomes: dict[str, TrialOutcome], children: dict[str, Any], client: Any
+                     ) -> None:
+    """Make certain every child run records its final outcome.
+
+    Trials that ended in this driver were ended as they did (those calls are awaited here);
+    others (ended under an earlier driver) are ended now. A run the tracking proxy does not
+    know (it was restarted meanwhile) is ended directly in MLflow.
+    """
+    import ray
+
+    pending = {trial_id: monitor.ending(trial_id, outcome) or end_child_run(
+        config, monitor.namespace, trial_id, outcome, wait_s=None)
+        for trial_id, outcome in outcomes.items()}
+    refs = [ref for ref in pending.values() if ref is not None]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=END_RUN_TIMEOUT_S)
+    for trial_id, ref in pending.items():
+        try:
+            known = ref is not None and bool(ray.get(ref, timeout=0))
+        except Exception:
+            known = False
+        child = children.get(trial_id)
+        if not known and child is not None:
+            outcome = outcomes[trial_id]
+            for key, value in outcome.tags().items():
+                client.set_tag(child.info.run_id, key, value)
+            client.set_terminated(child.info.run_id, status=outcome.run_status)
 
 
 def _final_outcome(result: Any, trial_id: str, iteration: int, monitor: SweepMonitor,

@@ -52,6 +52,7 @@ MAX_TAG_CHARS = 5000
 # this long for the TorchTrainer to abort before leaving (Tune reuses the process only if the
 # trial ends within ~2 s, else it replaces the process, which stops the TorchTrainer anyway).
 REPORT_POLL_S = 0.5
+TRIAL_DRIVER_MEMORY_BYTES = 256 * 1024 * 1024
 # How long a trial waits for its run to be bound (the proxy retries MLflow meanwhile).
 BIND_TIMEOUT_S = 300.0
 ABORT_WAIT_S = 1.5
@@ -214,7 +215,10 @@ def trainable(job: SweepJob, config: SweepConfig, settings: Settings) -> Any:
     if job.load_data is not None:
         # Put the data in the object store once; every trial (and reused actor) reads it there.
         runnable = tune.with_parameters(run_trial, data=job.load_data())
-    resources = {"CPU": 0.0} if job.distributed else preset.resources_per_worker()
+    # A distributed trial's process only drives its TorchTrainer, whose workers reserve the
+    # preset's resources; it asks for no CPU (Tune needs some resource in a request: memory).
+    resources = ({"CPU": 0.0, "memory": TRIAL_DRIVER_MEMORY_BYTES} if job.distributed
+                 else preset.resources_per_worker())
     return tune.with_resources(runnable, resources)
 
 
