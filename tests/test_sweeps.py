@@ -153,13 +153,31 @@ def test_asha_sweep_over_lists_nested_groups_and_none_records_the_best_and_regis
 def test_fifo_stops_no_trial_early_and_marks_an_erroring_trial_with_its_error(
     ray_cluster: None, mlflow_client: Any
 ) -> None:
+    import dataclasses
+
+    from raydeck.errors import SweepFinalizeError
     from raydeck.tune import SweepConfig, sweep
     from tests.sweep_jobs import score_job
 
+    def unbuildable(config: dict[str, Any]) -> Any:
+        raise RuntimeError("model factory is broken")
+
     name = f"fifo-{uuid.uuid4().hex[:6]}"
+    model_name = f"score-{name}"
     space = {"lr": {"uniform": [0.01, 0.1]}, "fail_at": {"grid": [None, 2]}}
-    result = sweep(score_job(), space,
-                   SweepConfig(name=name, scheduler="fifo", num_samples=2, max_t=3))
+    config = SweepConfig(name=name, scheduler="fifo", num_samples=2, max_t=3,
+                         register_model_as=model_name)
+    # The registry step fails after every trial ran: the error says what is kept and what to
+    # run; --resume then registers without re-running a trial.
+    with pytest.raises(SweepFinalizeError, match=rf"sweep {name!r}: the best trial .* is recorded "
+                       rf".* registering it as {model_name!r} failed \(RuntimeError: model "
+                       rf"factory is broken\); fix that and run `raydeck sweep --name {name} "
+                       rf"--resume`"):
+        sweep(dataclasses.replace(score_job(), model_factory=unbuildable), space, config)
+    assert _parent(mlflow_client, name).data.tags["raydeck.sweep_state"] == "registry_failed"
+    result = sweep(score_job(), None, SweepConfig(name=name), resume=True)
+    assert result.registered_model_uri == f"models:/{model_name}/1"
+    assert _parent(mlflow_client, name).data.tags["raydeck.sweep_state"] == "finished"
 
     children = _children(mlflow_client, result.parent_run_id)
     assert len(children) == 4

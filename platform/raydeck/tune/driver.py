@@ -36,7 +36,13 @@ from raydeck.tune.scheduling import (
 )
 from raydeck.tune.space import SearchSpace, as_text, flatten
 from raydeck.tune.status import PREEMPTED, SWEEP_TAG, error_line
-from raydeck.tune.summary import SWEEP_STATE_TAG, SweepResult, summarize
+from raydeck.tune.summary import (
+    SWEEP_STATE_TAG,
+    SweepResult,
+    child_runs,
+    record_outcomes,
+    summarize,
+)
 from raydeck.tune.trial import CHECKPOINTS_KEPT_PER_TRIAL, trainable
 
 logger = logging.getLogger(__name__)
@@ -117,9 +123,10 @@ def _sweep(job: SweepJob, space: SearchSpace | Mapping[str, Any] | None, config:
     recorded = _parent_tags(parent, settings) if resume else {}
     if parsed is not None and not parent.resumed:
         parent.log_params(_parent_params(parsed, config))
+    job_id = _job_id()
     parent.set_tags({SWEEP_TAG: config.key, "raydeck.kind": "sweep", SWEEP_STATE_TAG: "running",
-                     DRIVER_JOB_TAG: _job_id(), STORAGE_TAG: storage.experiment_uri(config.name)})
-    if recorded.get(DRIVER_JOB_TAG):
+                     DRIVER_JOB_TAG: job_id, STORAGE_TAG: storage.experiment_uri(config.name)})
+    if recorded.get(DRIVER_JOB_TAG) not in (None, job_id):  # this process's own tuning ended
         _wait_for_previous_attempt(recorded[DRIVER_JOB_TAG])
 
     monitor = SweepMonitor(config, settings.ray_namespace)
@@ -142,7 +149,7 @@ def _sweep(job: SweepJob, space: SearchSpace | Mapping[str, Any] | None, config:
             finally:
                 monitor.loop_ended()
         if stop.signal_name is not None:
-            _interrupted(stop, parent, config)
+            _interrupted(stop, monitor, parent, config, settings)
         return _finalize(grid, config, monitor, parent, job, settings,
                          recorded.get(REGISTERED_MODEL_TAG))
 
@@ -222,10 +229,10 @@ def _new_tuner(storage: SweepStorage, config: SweepConfig, space: SearchSpace, r
         param_space=space.to_tune(),
         tune_config=tune.TuneConfig(
             metric=config.metric, mode=config.mode,
-            scheduler=make_scheduler(config, space), search_alg=search_algorithm(config),
+            scheduler=make_scheduler(config, space),
+            search_alg=search_algorithm(config, config.max_concurrent_trials or (
+                _capacity(trial_preset) if job.distributed else None)),
             num_samples=config.num_samples,
-            max_concurrent_trials=config.max_concurrent_trials or (
-                _capacity(trial_preset) if job.distributed else None),
             reuse_actors=True,
         ),
         run_config=tune.RunConfig(
@@ -387,8 +394,17 @@ def _record_preemption(parent: Any, preempted: list[str]) -> None:
     parent.set_tags({SWEEP_STATE_TAG: PREEMPTED, f"raydeck.trials_{PREEMPTED}": len(preempted)})
 
 
-def _interrupted(stop: _StopRequest, parent: Any, config: SweepConfig) -> None:
+def _interrupted(stop: _StopRequest, monitor: SweepMonitor, parent: Any, config: SweepConfig,
+                 settings: Settings) -> None:
+    """After Tune stopped: make the preempted trials' records certain (a trial that had just
+    started may have bound to its run only after it was marked), end the parent, and raise."""
+    from mlflow.tracking import MlflowClient
+
     stop.join()
+    outcomes = {t: o for t in stop.preempted if (o := monitor.outcome(t)) is not None}
+    with contextlib.suppress(Exception):
+        client = MlflowClient(settings.tracking.uri)
+        record_outcomes(config, monitor, outcomes, child_runs(client, parent), client)
     _record_preemption(parent, stop.preempted)
     parent.finish("KILLED")
     raise SweepInterruptedError(

@@ -191,9 +191,12 @@ class SweepMonitor:
             outcomes = {t: self.policy.preempted(self._iterations.get(t, 0)) for t in running}
             self._outcomes.update(outcomes)
         deadline = time.monotonic() + wait_s
-        refs = [end_child_run(self.config, self.namespace, trial_id, outcome, wait_s=None)
-                for trial_id, outcome in outcomes.items()]
-        _wait_all([ref for ref in refs if ref is not None], deadline)
+        refs = {trial_id: end_child_run(self.config, self.namespace, trial_id, outcome,
+                                        wait_s=None)
+                for trial_id, outcome in outcomes.items()}
+        with self._lock:
+            self._ending.update({t: (outcomes[t], ref) for t, ref in refs.items()})
+        _wait_all([ref for ref in refs.values() if ref is not None], deadline)
         return running
 
     # --- read by the summary --------------------------------------------------------------------

@@ -58,12 +58,14 @@ class PrivateRandom:
             np.random.set_state(saved_numpy)
 
 
-def search_algorithm(config: SweepConfig) -> Any:
+def search_algorithm(config: SweepConfig, max_concurrent: int | None) -> Any:
     """Tune's search algorithm: random/grid variants drawn from a generator seeded by the
-    sweep's seed (not from the process's global state)."""
+    sweep's seed (not from the process's global state), at most ``max_concurrent`` trials
+    at once (None: as resources allow). Tune ignores ``TuneConfig.max_concurrent_trials`` when
+    it is given a search algorithm, so the limit is the algorithm's."""
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    return BasicVariantGenerator(random_state=config.seed)
+    return BasicVariantGenerator(random_state=config.seed, max_concurrent=max_concurrent or 0)
 
 
 def make_scheduler(config: SweepConfig, space: SearchSpace) -> Any:

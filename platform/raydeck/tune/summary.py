@@ -93,9 +93,7 @@ def summarize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(settings.tracking.uri)
-    children = {str(run.data.tags.get("raydeck.trial_id")): run for run in client.search_runs(
-        [parent.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'",
-        max_results=10_000)}
+    children = child_runs(client, parent)
     better = max if config.mode == "max" else min
     trials = []
     outcomes: dict[str, TrialOutcome] = {}
@@ -116,7 +114,7 @@ def summarize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any
             time_total_s=float(result.metrics.get("time_total_s", 0.0) or 0.0),
             rung=outcome.rung, error=outcome.error,
         ))
-    _record_outcomes(config, monitor, outcomes, children, client)
+    record_outcomes(config, monitor, outcomes, children, client)
     scored = [(t.best_score, t) for t in trials
               if t.best_score is not None and not math.isnan(t.best_score)]
     if not scored:
@@ -135,7 +133,14 @@ def summarize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any
     )
 
 
-def _record_outcomes(config: SweepConfig, monitor: SweepMonitor,
+def child_runs(client: Any, parent: Any) -> dict[str, Any]:
+    """The sweep's child runs in MLflow, by trial id."""
+    return {str(run.data.tags.get("raydeck.trial_id")): run for run in client.search_runs(
+        [parent.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.run_id}'",
+        max_results=10_000)}
+
+
+def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
                      outcomes: dict[str, TrialOutcome], children: dict[str, Any], client: Any
                      ) -> None:
     """Make certain every child run records its final outcome.
