@@ -1,10 +1,13 @@
-"""ASHA against FIFO on the same digits sweep: wall time, trial-iterations, best accuracy.
+"""ASHA against FIFO on the same digits sweep: wall time, trial-iterations, idle slots, start-up.
 
 Both sweeps use the same search space (jobs/sweep_digits.yaml), seed, trial count and per-trial
 resources, on a local 2-CPU Ray instance with tracking into an embedded MLflow. Each Tune
 iteration trains ``--epochs-per-iteration`` epochs, so an iteration carries enough work that
-the benchmark measures scheduling, not trial start-up. Also reports the per-trial start-up
-overhead: wall time x concurrency, minus the time trials spent iterating, per trial.
+the benchmark measures scheduling, not trial start-up. For each scheduler it prints what the
+sweep itself measures (``SweepResult.slot_usage``): the mean per-trial start-up (from a trial's
+start to its first result, minus one iteration) and the fraction of slot-time (wall time of
+the tuning loop x concurrent trials) in which no trial held a slot. The machine's load average
+is printed with the figures: other processes on the machine slow everything down.
 
 Run: ``.venv/bin/python benchmarks/asha_vs_fifo.py``.
 """
@@ -15,15 +18,24 @@ import argparse
 import os
 import tempfile
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CPUS = 2
 
 
-def run(scheduler: str, args: argparse.Namespace, trials: int | None = None
-        ) -> tuple[float, int, float, float]:
-    """Wall time, trial-iterations, best score and per-trial start-up overhead of one sweep."""
+@dataclass(frozen=True)
+class Measured:
+    wall_s: float
+    trial_iterations: int
+    best_score: float
+    startup_s: float
+    idle_fraction: float
+
+
+def run(scheduler: str, args: argparse.Namespace, trials: int | None = None) -> Measured:
+    """One sweep of the digits job with ``scheduler``."""
     from raydeck.examples.digits import digits_sweep_job
     from raydeck.tune import SearchSpace, SweepConfig, sweep
 
@@ -36,9 +48,10 @@ def run(scheduler: str, args: argparse.Namespace, trials: int | None = None
         reduction_factor=args.reduction_factor, seed=args.seed, preset="cpu-1",
     )
     result = sweep(digits_sweep_job(), space, config)
-    iterating_s = sum(t.time_total_s for t in result.trials)
-    overhead_s = max(0.0, result.wall_time_s * CPUS - iterating_s) / len(result.trials)
-    return result.wall_time_s, result.trial_iterations, result.best_score, overhead_s
+    usage = result.slot_usage
+    assert usage is not None
+    return Measured(result.wall_time_s, result.trial_iterations, result.best_score,
+                    usage.startup_s, usage.idle_fraction)
 
 
 def main() -> None:
@@ -52,6 +65,7 @@ def main() -> None:
 
     import ray
 
+    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="raydeck-asha-") as tmp:
         os.environ.update({
             "RAYDECK_DATA_DIR": str(Path(tmp) / "data"),
@@ -65,16 +79,20 @@ def main() -> None:
             fifo = run("fifo", args)
         finally:
             ray.shutdown()
+    load_after = os.getloadavg()
 
-    rows = [("ASHA", *asha), ("FIFO", *fifo)]
     print(f"\n{args.trials} trials x {args.max_t} iterations x {args.epochs_per_iteration} "
-          f"epochs, {CPUS} CPUs, ASHA grace 1, reduction factor {args.reduction_factor:g}")
-    print(f"{'scheduler':<10} {'wall s':>8} {'trial-iters':>12} {'best val acc':>13} "
-          f"{'start-up s/trial':>17}")
-    for name, wall, iterations, best, overhead in rows:
-        print(f"{name:<10} {wall:>8.1f} {iterations:>12d} {best:>13.4f} {overhead:>17.2f}")
-    print(f"ASHA/FIFO: wall {asha[0] / fifo[0]:.2f}, trial-iterations {asha[1] / fifo[1]:.2f}, "
-          f"best accuracy {100 * (asha[2] - fifo[2]):+.2f} points")
+          f"epochs, {CPUS} CPUs, ASHA grace 1, reduction factor {args.reduction_factor:g}; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after "
+          f"({os.cpu_count()} cores)")
+    print(f"{'scheduler':<10} {'wall s':>8} {'trial-iters':>12} {'idle slots':>11} "
+          f"{'start-up s/trial':>17} {'best val acc':>13}")
+    for name, m in (("ASHA", asha), ("FIFO", fifo)):
+        print(f"{name:<10} {m.wall_s:>8.1f} {m.trial_iterations:>12d} "
+              f"{100 * m.idle_fraction:>10.1f}% {m.startup_s:>17.2f} {m.best_score:>13.4f}")
+    print(f"ASHA/FIFO: wall {asha.wall_s / fifo.wall_s:.2f}, trial-iterations "
+          f"{asha.trial_iterations / fifo.trial_iterations:.2f}, best accuracy "
+          f"{100 * (asha.best_score - fifo.best_score):+.2f} points")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Sweep the digits classifier with ASHA; every trial is a child run, the best model registered.
+"""Sweep the digits classifier (ASHA, FIFO or PBT); each trial a child run, the best registered.
 
 Locally:          python jobs/sweep_digits.py --num-samples 16
 On a cluster:     ray job submit --runtime-env runtime_envs/cpu.yaml --working-dir . -- \\
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--max-t", type=int, default=8)
     parser.add_argument("--grace-period", type=int, default=1)
     parser.add_argument("--reduction-factor", type=float, default=2.0)
-    parser.add_argument("--scheduler", default="asha", choices=["asha", "fifo"])
+    parser.add_argument("--scheduler", default="asha", choices=["asha", "fifo", "pbt"])
     parser.add_argument("--preset", default="cpu-1")
     parser.add_argument("--register-as", default="digits-classifier")
     parser.add_argument("--resume", action="store_true")

@@ -66,7 +66,7 @@ class MetricsProbe:
         from raydeck.observability.metrics import SweepMetrics
 
         sweep = SweepMetrics(SWEEP, "val_accuracy", "max")
-        sweep.trial_states({"pending": 1, "running": 2, "pruned": 3, "completed": 4,
+        sweep.trial_states({"pending": 1, "running": 2, "stopped_early": 3, "completed": 4,
                             "errored": 1})
         sweep.best_score(0.97)
         Gauge(PLAIN_GAUGE, "a plain Ray gauge, set once").set(1.0)

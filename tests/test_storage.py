@@ -170,9 +170,13 @@ def test_training_refuses_to_start_when_a_bucket_is_missing(s3_server: S3Server)
 
 @pytest.mark.timeout(60)
 def test_checkpoint_filesystem_reaches_s3_and_keeps_its_retries_when_shipped(
-    s3_server: S3Server,
+    s3_server: S3Server, ray_cluster: None
 ) -> None:
-    """Ray Train pickles the filesystem to its controller and workers; retries must survive."""
+    """Ray ships the filesystem to Ray Train's controller and workers (and Tune's trials) with
+    its retries and credentials; pickled to a file (Tune's experiment state) it drops the secret.
+    """
+    import ray
+
     from raydeck.storage import CHECKPOINT_S3_MAX_ATTEMPTS, checkpoint_storage, init_buckets
 
     settings = _settings(s3_server.settings_env(**_names("fs")))
@@ -180,7 +184,8 @@ def test_checkpoint_filesystem_reaches_s3_and_keeps_its_retries_when_shipped(
     target = checkpoint_storage(settings)
     assert target.uri == f"s3://{settings.storage.checkpoints_bucket}/raydeck"
     assert target.storage_path == f"{settings.storage.checkpoints_bucket}/raydeck"
-    shipped = pickle.loads(pickle.dumps(target.filesystem))
+    assert s3_server.secret_access_key.encode() not in pickle.dumps(target.filesystem)
+    shipped = ray.get(ray.put(target.filesystem))
     assert shipped._max_attempts == CHECKPOINT_S3_MAX_ATTEMPTS
     assert shipped.type_name == "s3"
     path = f"{target.storage_path}/probe/file.bin"

@@ -62,7 +62,8 @@ class TrainState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _metrics_file(rank: int) -> str:
+def metrics_file(rank: int) -> str:
+    """Name of the file in a raydeck checkpoint holding rank ``rank``'s metric points."""
     return f"metrics_rank_{rank}.json"
 
 
@@ -192,7 +193,7 @@ def report_checkpoint(
     Args:
         tracker: this rank's tracker.
         directory: the checkpoint's files; this function adds ``metrics_rank_<r>.json``.
-        metrics: reported to Ray Train (``Result.metrics``); plain numbers.
+        metrics: reported to Ray Train (``Result.metrics``, with ``epoch`` added); plain numbers.
         epoch: the finished epoch.
         points: what to log to the tracker after the commit; default ``metrics`` at
             ``step=epoch``, timestamped now. Stored in the checkpoint for :func:`restore`.
@@ -210,13 +211,16 @@ def report_checkpoint(
     if points is None:
         timestamp_ms = int(time.time() * 1000)
         points = [(key, value, timestamp_ms, epoch) for key, value in metrics.items()]
-    (directory / _metrics_file(rank)).write_text(
+    (directory / metrics_file(rank)).write_text(
         json.dumps({"epoch": epoch, "points": points}, default=float)
     )
     name = CHECKPOINT_DIR_FORMAT.format(epoch=epoch)
     size_bytes = sum(entry.stat().st_size for entry in os.scandir(directory) if entry.is_file())
+    # The epoch goes with the metrics, so a consumer of the report (a sweep's trial turns it
+    # into Tune's iteration) knows which epoch it is, also after a restart.
     ray.train.report(
-        metrics, checkpoint=ray.train.Checkpoint.from_directory(str(directory)),
+        {"epoch": epoch, **metrics},
+        checkpoint=ray.train.Checkpoint.from_directory(str(directory)),
         checkpoint_dir_name=name,
     )
     progress.checkpoint_saved(time.perf_counter() - started, size_bytes)
@@ -263,7 +267,7 @@ def log_points(tracker: Tracker, points: list[MetricPoint]) -> None:
 
 def stored_points(directory: str | Path) -> list[MetricPoint]:
     """The metric points this rank stored in a raydeck checkpoint directory (empty if none)."""
-    path = Path(directory) / _metrics_file(_rank())
+    path = Path(directory) / metrics_file(_rank())
     if not path.exists():
         return []
     return [(str(key), float(value), int(timestamp_ms), int(step))

@@ -106,3 +106,13 @@ class StackError(RaydeckError):
 
     The message starts with the service's name and ends with the fix.
     """
+
+
+class SweepInterruptedError(RaydeckError):
+    """A sweep's driver was stopped (SIGTERM, SIGINT) while trials ran; they were marked
+    ``preempted`` and ``--resume`` continues them."""
+
+
+class SweepFinalizeError(RaydeckError):
+    """Every trial of a sweep ended, but its summary or registry step failed; the trials' runs
+    and checkpoints are intact and ``--resume`` redoes the step."""

@@ -151,17 +151,59 @@ def minio_client(storage: StorageSettings) -> Minio:
 
 
 def _rebuild_filesystem(options: dict[str, Any], max_attempts: int) -> RetryingS3FileSystem:
+    if "secret_key" not in options:
+        secret = _own_secret(options)
+        # pyarrow takes a key id only with its secret; without both it uses its default chain.
+        options = ({**options, "secret_key": secret} if secret else
+                   {k: v for k, v in options.items() if k != "access_key"})
     return RetryingS3FileSystem(max_attempts=max_attempts, **options)
 
 
+def _own_secret(options: dict[str, Any]) -> str | None:
+    """This process's secret for the endpoint and key id of a filesystem pickled without it
+    (None if this process lacks it)."""
+    from raydeck.config import load_settings
+
+    try:
+        storage = load_settings().storage
+    except Exception:
+        return None
+    if (storage.configured and storage.secret_access_key
+            and _host(storage) == options.get("endpoint_override")
+            and storage.access_key_id == options.get("access_key")):
+        return storage.secret_access_key.reveal()
+    return None
+
+
+def _ray_is_transferring() -> bool:
+    """Whether the pickling in progress is Ray moving an object to another process (a task or
+    actor argument, an object put in the store), as opposed to pickling to a file."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return False
+        context = ray._private.worker.global_worker.get_serialization_context()
+        return bool(context.is_in_band_serialization())
+    except Exception:
+        return False
+
+
 class RetryingS3FileSystem(pyarrow.fs.S3FileSystem):
-    """pyarrow's ``S3FileSystem`` whose retry strategy survives pickling.
+    """pyarrow's ``S3FileSystem`` whose retry strategy survives pickling, and whose secret is
+    never written to a file.
 
     pyarrow pickles an ``S3FileSystem`` without its ``retry_strategy``, so the copies Ray Train
     sends to its controller and workers would retry 3 times (about two seconds) and a short S3
     outage would fail the checkpoint upload. This subclass rebuilds itself with
     ``max_attempts`` wherever it is unpickled. Every call of Ray Train's storage goes through
     it: checkpoint uploads, the controller's checkpoint index, downloads on resume.
+
+    Ray moves it to workers by pickling, secret included (in memory, never in a runtime env).
+    Ray Tune also pickles it into its experiment state files (``tuner.pkl``,
+    ``experiment_state-*.json``, in the bucket); pickled outside a Ray transfer it leaves the
+    secret out, and where such a copy is unpickled it takes the secret from that process's own
+    settings (a resumed driver has them; Tune replaces the filesystem of restored state anyway).
     """
 
     def __init__(self, max_attempts: int = CHECKPOINT_S3_MAX_ATTEMPTS, **options: Any) -> None:
@@ -173,7 +215,10 @@ class RetryingS3FileSystem(pyarrow.fs.S3FileSystem):
         self._options = options
 
     def __reduce__(self) -> tuple[Any, tuple[dict[str, Any], int]]:
-        return _rebuild_filesystem, (self._options, self._max_attempts)
+        options = self._options
+        if not _ray_is_transferring():
+            options = {k: v for k, v in options.items() if k != "secret_key"}
+        return _rebuild_filesystem, (options, self._max_attempts)
 
 
 def s3_filesystem(storage: StorageSettings) -> RetryingS3FileSystem:

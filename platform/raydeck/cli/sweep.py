@@ -1,4 +1,4 @@
-"""``raydeck sweep``: a Tune sweep with ASHA over a raydeck job, tracked and registered."""
+"""``raydeck sweep``: a Tune sweep (ASHA, FIFO or PBT) over a raydeck job, tracked, registered."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def _load_job(spec: str) -> Any:
 
 
 def sweep(
-    space: Path = typer.Option(Path("jobs/sweep_digits.yaml"), help="YAML search space."),
+    space: Path = typer.Option(Path("jobs/sweep_digits.yaml"),
+                               help="YAML search space (a resumed sweep keeps its own)."),
     name: str = typer.Option("digits-sweep", help="Sweep name (MLflow parent run, Tune dir)."),
     job: str = typer.Option(DEFAULT_JOB, help="module:function returning a SweepJob."),
     metric: str = typer.Option("val_accuracy", help="Metric to optimise."),
@@ -40,15 +41,21 @@ def sweep(
     max_t: int = typer.Option(8, help="Most iterations per trial."),
     grace_period: int = typer.Option(1, help="Iterations before ASHA may stop a trial."),
     reduction_factor: float = typer.Option(2.0, help="ASHA keeps 1/factor per rung."),
-    scheduler: str = typer.Option("asha", help="asha or fifo."),
+    scheduler: str = typer.Option("asha", help="asha, fifo or pbt."),
+    perturbation_interval: int = typer.Option(
+        0, help="PBT: iterations between exploits (0: max_t / 4)."),
+    pbt_mutate: list[str] = typer.Option(
+        [], help="PBT: a dimension it may change (repeat; default every uniform/loguniform)."),
     preset: str = typer.Option("cpu-1", help="Scaling preset for each trial's resources."),
     max_concurrent: int = typer.Option(0, help="Most trials at once (0: as resources allow)."),
-    seed: int = typer.Option(0, help="Search seed."),
+    seed: int = typer.Option(0, help="Seed of the search (and of PBT's choices)."),
     register_as: str = typer.Option("digits-classifier",
                                     help="Registry name for the best model ('' to skip)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue a sweep whose driver died."),
+    resume: bool = typer.Option(False, "--resume",
+                                help="Continue the sweep --name as it was started (after its "
+                                     "driver died or was stopped), or redo its summary."),
 ) -> None:
-    """Run a hyperparameter sweep: ASHA early stopping, one MLflow child run per trial."""
+    """Run a hyperparameter sweep: one MLflow child run per trial, the best model registered."""
     from raydeck.cluster import connect
     from raydeck.config import load_settings
     from raydeck.tune import SearchSpace, SweepConfig
@@ -59,24 +66,35 @@ def sweep(
     config = SweepConfig(
         name=name, metric=metric, mode=mode, num_samples=num_samples, max_t=max_t,
         grace_period=grace_period, reduction_factor=reduction_factor, scheduler=scheduler,
+        perturbation_interval=perturbation_interval or None,
+        pbt_mutations=tuple(pbt_mutate) or None,
         preset=preset, max_concurrent_trials=max_concurrent or None, seed=seed,
         register_model_as=register_as or None,
     )
-    search_space = SearchSpace.from_yaml(space)
+    # A resumed sweep keeps the space (and settings) it was started with.
+    search_space = None if resume else SearchSpace.from_yaml(space)
     sweep_job = _load_job(job)
-    with console.status(f"sweep {name}: {num_samples} trials, {scheduler}..."):
+    with console.status(f"sweep {name}: {'resuming' if resume else config.scheduler}..."):
         connect(settings, log_to_driver=False)
         result = run_sweep(sweep_job, search_space, config, settings=settings, resume=resume)
     table = Table(title=f"sweep {name} ({result.wall_time_s:.0f} s, "
                         f"{result.trial_iterations} trial-iterations)")
-    for column in ("trial", "status", "stopped at", f"best {metric}", "MLflow run"):
+    for column in ("trial", "status", "iterations", f"best {metric}", "MLflow run"):
         table.add_column(column)
     for trial in sorted(result.trials, key=lambda t: t.trial_id):
         score = "-" if trial.best_score is None else f"{trial.best_score:.4f}"
-        table.add_row(trial.trial_id, trial.status, str(trial.stop_iteration), score,
-                      trial.run_id)
+        status = trial.status + (f" (rung {trial.rung})" if trial.rung else "") + (
+            f": {trial.error}" if trial.error else "")
+        table.add_row(trial.trial_id, status, str(trial.stop_iteration), score, trial.run_id)
     console.print(table)
-    console.print(f"best trial {result.best_trial_id}: {metric} {result.best_score:.4f} "
+    counts = ", ".join(f"{result.count(s)} {s}" for s in ("completed", "stopped_early",
+                                                         "errored") if result.count(s))
+    console.print(f"trials: {counts}", soft_wrap=True)
+    if result.slot_usage is not None:
+        usage = result.slot_usage
+        console.print(f"slots: {usage.slots}, idle {100 * usage.idle_fraction:.0f}% of slot "
+                      f"time, trial start-up {usage.startup_s:.2f} s", soft_wrap=True)
+    console.print(f"best trial {result.best_trial_id}: {config.metric} {result.best_score:.4f} "
                   f"with {result.best_config}", soft_wrap=True)
     console.print(f"sweep run: {result.parent_run_id}")
     if result.registered_model_uri:

@@ -245,6 +245,8 @@ def run_digits(
 
 
 SWEEP_REPORTS = ("val_accuracy", "val_loss", "train_loss", "trial_setup_s")
+DISTRIBUTED_SWEEP_REPORTS = ("train_loss", "val_loss", "val_accuracy", "samples_per_s",
+                             "epoch_time_s")
 
 
 def load_sweep_data(seed: int = 0) -> dict[str, np.ndarray]:
@@ -275,6 +277,9 @@ def sweep_trial(config: dict[str, Any], data: dict[str, np.ndarray]) -> None:
     )
     x_val, y_val = torch.from_numpy(data["x_val"]), torch.from_numpy(data["y_val"])
     done = raydeck.tune.restore(model, optimizer)
+    # Under PBT the restored optimizer state may come from another trial: this trial's lr wins.
+    for group in optimizer.param_groups:
+        group["lr"] = float(config["lr"])
     setup_s = time.perf_counter() - started
     for _ in itertools.count(done + 1):
         for _epoch in range(int(config["epochs_per_iteration"])):
@@ -287,14 +292,26 @@ def sweep_trial(config: dict[str, Any], data: dict[str, np.ndarray]) -> None:
         )
 
 
+def _sweep_model(config: dict[str, Any]) -> DigitsMLP:
+    return DigitsMLP(int(config["hidden"]), float(config["dropout"]))
+
+
 def digits_sweep_job() -> Any:
-    """The digits classifier as a :class:`raydeck.tune.SweepJob`."""
+    """The digits classifier as a :class:`raydeck.tune.SweepJob` of single-process trials."""
     from raydeck.tune import SweepJob
 
-    return SweepJob(
-        train_fn=sweep_trial, reports=SWEEP_REPORTS, load_data=load_sweep_data,
-        model_factory=lambda config: DigitsMLP(int(config["hidden"]), float(config["dropout"])),
-    )
+    return SweepJob(train_fn=sweep_trial, reports=SWEEP_REPORTS, load_data=load_sweep_data,
+                    model_factory=_sweep_model)
+
+
+def digits_distributed_sweep_job() -> Any:
+    """The digits classifier as a :class:`raydeck.tune.SweepJob` whose trials each run
+    :func:`train_loop_per_worker` on the preset's Ray Train workers (one epoch per iteration;
+    set ``epochs`` in the space to at least ``max_t``)."""
+    from raydeck.tune import SweepJob
+
+    return SweepJob(train_fn=train_loop_per_worker, reports=DISTRIBUTED_SWEEP_REPORTS,
+                    model_factory=_sweep_model, distributed=True)
 
 
 def job_arguments(description: str, run_name: str) -> argparse.ArgumentParser:

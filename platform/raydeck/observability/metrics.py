@@ -63,7 +63,7 @@ REFRESHES_PER_EXPORT = 2
 
 THROUGHPUT_KEY = "samples_per_s"
 LOSS_KEY_PART = "loss"
-TRIAL_STATES = ("pending", "running", "pruned", "completed", "errored")
+TRIAL_STATES = ("pending", "running", "stopped_early", "completed", "errored", "preempted")
 
 WRITE_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 CHECKPOINT_SAVE_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,

@@ -243,3 +243,27 @@ def stop_proxy(namespace: str, drain_timeout_s: float) -> bool | None:
 
 def get_shard(namespace: str, index: int) -> Any:
     return ray.get_actor(shard_name(index), namespace=namespace)
+
+
+def wait_runs_landed(namespace: str, run_keys: list[str], timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` until the runs of ``run_keys`` exist in MLflow and everything
+    the proxy accepted for them is written (or set aside). True when it all landed.
+
+    For a supervisor that reads the runs back from MLflow (a sweep's summary): data logged by
+    processes that have ended may still be in the proxy, e.g. after an MLflow outage.
+    """
+    router = find_router(namespace)
+    if router is None or not run_keys:
+        return True  # no proxy: nothing is pending anywhere
+    deadline = time.monotonic() + timeout_s
+    by_shard: dict[int, list[str]] = {}
+    for key, index in zip(run_keys, ray.get([router.shard_of.remote(k) for k in run_keys],
+                                            timeout=timeout_s), strict=True):
+        by_shard.setdefault(index, []).append(key)
+    for index, keys in by_shard.items():
+        left = max(0.0, deadline - time.monotonic())
+        report = ray.get(get_shard(namespace, index).wait_landed.remote(keys, left),
+                         timeout=left + STATS_TIMEOUT_S)
+        if not report.landed:
+            return False
+    return True
