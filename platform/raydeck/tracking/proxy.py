@@ -111,9 +111,10 @@ class Router:
     @ray.method(concurrency_group="wait")
     def attach(self, request: AttachRequest) -> RunBinding:
         binding = self.core.attach(request)
-        if binding.active and not binding.run_id:
+        if not binding.run_id:
             # MLflow answering: the shard creates the run within milliseconds; answer with its
-            # id. MLflow down: answer now, the tracker learns the id later.
+            # id (silent ranks too: their metrics and logs are labelled with it). MLflow down:
+            # answer now, the tracker learns the id later.
             try:
                 found = ray.get(self.shards[binding.shard_index].resolve.remote(
                     binding.run_key, RESOLVE_AT_ATTACH_S), timeout=RESOLVE_AT_ATTACH_S + 5)
