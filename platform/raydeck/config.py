@@ -421,7 +421,7 @@ def settings_reference() -> list[tuple[str, str, str, str]]:
 
 
 def settings_markdown() -> str:
-    """The README's settings table, rendered from this registry."""
+    """The settings table of docs/reference.md, rendered from this registry."""
     lines = ["| Variable | raydeck.toml key | Default | Meaning |", "|---|---|---|---|"]
     for var, key, default, doc in settings_reference():
         lines.append(f"| `{var}` | `{key}` | {f'`{default}`' if default else '(empty)'} | {doc} |")
