@@ -293,6 +293,8 @@ def sweep_trial(config: dict[str, Any], data: dict[str, np.ndarray]) -> None:
 
 
 def _sweep_model(config: dict[str, Any]) -> DigitsMLP:
+    """The trial's model; what the space leaves out has the job's default, as in training."""
+    config = {**DEFAULT_CONFIG, **config}
     return DigitsMLP(int(config["hidden"]), float(config["dropout"]))
 
 

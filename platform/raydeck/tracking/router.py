@@ -110,6 +110,8 @@ class _Run:
     needs_open: bool = True
     primary: str | None = None
     primary_status: str | None = None
+    # The client whose attach brought the run to this router; every later attach resumes it.
+    first_client: str | None = None
     participants: dict[str, _Participant] = field(default_factory=dict)
     children: dict[int, bool] = field(default_factory=dict)  # rank -> open in MLflow
     samplers: dict[str, str] = field(default_factory=dict)
@@ -253,6 +255,8 @@ class RouterCore:
     def _join(self, run: _Run, request: AttachRequest) -> tuple[RunBinding, Control | None]:
         process = request.process
         now = time.monotonic()
+        if run.first_client is None:
+            run.first_client = request.client_id
         for client_id, participant in list(run.participants.items()):
             if participant.process.role_key == process.role_key and client_id != request.client_id:
                 self._drop(run, client_id, replaced=True)
@@ -297,10 +301,11 @@ class RouterCore:
             experiment=run.experiment, run_name=run.name, mode=run.mode,
             shard_index=self.shard_of(run.key),
             is_primary=run.primary == request.client_id,
-            # Created by this process only if it opened a run new to MLflow; every other
-            # process attaches to a run that exists (in MLflow, or being opened by another).
-            created=not run.existed and run.primary == request.client_id,
-            resumed=run.existed or run.primary != request.client_id,
+            # Created by this process only if its attach opened a run new to MLflow; every
+            # other attach (another process, or this run's process again after it left, as a
+            # restarted Tune trial does) resumes a run that exists or is being opened.
+            created=not run.existed and run.first_client == request.client_id,
+            resumed=run.existed or run.first_client != request.client_id,
             sample_system=sample_system, active=active,
             existing_params=dict(run.params),
         )
