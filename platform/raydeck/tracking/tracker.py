@@ -610,9 +610,17 @@ class Tracker:
         return RunConfig(name=self.run_key, **kwargs)
 
     def latest(self, timeout_s: float = 5.0) -> dict[str, tuple[float, int]]:
-        """The newest value and step the proxy received per metric key of this run."""
-        return dict(ray.get(self._open_delivery.shard().latest.remote(self.run_key),
-                            timeout=timeout_s))
+        """The newest value and step the proxy received per metric key of this run.
+
+        For progress displays, which must never break a run: ``{}`` while this tracker is not
+        attached yet or the proxy does not answer within ``timeout_s``.
+        """
+        try:
+            shard = self._open_delivery.shard()
+            return dict(ray.get(shard.latest.remote(self.run_key), timeout=timeout_s))
+        except (TrackingUnavailableError, ray.exceptions.GetTimeoutError,
+                ray.exceptions.RayActorError):
+            return {}
 
     def last_steps(self, keys: Iterable[str], timeout_s: float = 60.0) -> dict[str, int]:
         """The highest step of each metric key this run holds, in MLflow or on its way (-1: none).
