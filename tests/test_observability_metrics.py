@@ -10,6 +10,7 @@ import pytest
 
 from raydeck.observability.metrics import (
     METRICS,
+    TRIAL_STATES,
     MetricSpec,
     SweepMetrics,
     TrainingMetrics,
@@ -56,7 +57,8 @@ def test_gauges_stay_held_until_their_owner_lets_go() -> None:
     sweep.best_score(float("nan"))  # ignored: a dashboard cannot draw it
     progress = TrainingMetrics("held-run", "", 0, "")
     progress.step_reported(0, {"samples_per_s": 10.0, "train_loss": 1.0, "note": "text"})
-    assert held_series() == before + 5 + 1 + 4  # 5 states, best score, step/ts/throughput/loss
+    # every trial state, the best score, and step/timestamp/throughput/loss
+    assert held_series() == before + len(TRIAL_STATES) + 1 + 4
     sweep.close()
     progress.close()
     assert held_series() == before
