@@ -238,7 +238,8 @@ def test_notebook_runs_against_the_stack(
     elif path.stem == "03-sweeps":
         versions = mlflow.search_model_versions("name = 'stack-notebook-sweep'")
         assert len(versions) == 1 and "registered: models:/stack-notebook-sweep/1" in text
-        counts = re.search(r"\{'completed': (\d+), 'pruned': (\d+), 'errored': (\d+)\}", text)
+        counts = re.search(r"\{'completed': (\d+), 'stopped_early': (\d+), "
+                           r"'preempted': (\d+), 'errored': (\d+)\}", text)
         assert counts and int(counts.group(1)) >= 1 and sum(map(int, counts.groups())) == 4
     elif path.stem == "04-cluster-jobs":
         assert text.count("/d/raydeck-training/raydeck-training?var-run=notebook-") == 2

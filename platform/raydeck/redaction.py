@@ -105,6 +105,16 @@ def redact_url(uri: str) -> str:
     return _mask_assignments(scheme + sep + authority + slash + path)
 
 
+def quiet_mlflow_urls(tracking_uri: str) -> None:
+    """Turn off MLflow's "View run at <url>" print in this process when ``tracking_uri`` carries
+    credentials: MLflow's REST client prints the URL, user-info and all, to stdout whenever a run
+    ends, and stdout is Ray's job and worker logs. MLflow's own switch
+    (``MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT``) is read at each call, so setting it here covers
+    every client in the process; URIs without credentials keep MLflow's link."""
+    if redact_url(tracking_uri) != tracking_uri:
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+
+
 def _mask_assignments(text: str) -> str:
     def mask(match: re.Match[str]) -> str:
         name, value = match.group(1), match.group(2)

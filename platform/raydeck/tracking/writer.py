@@ -27,6 +27,7 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from raydeck.redaction import quiet_mlflow_urls
 from raydeck.tracking.messages import DatasetRef, Point
 
 logger = logging.getLogger(__name__)
@@ -203,6 +204,7 @@ class MlflowWriter:
 
     def __init__(self, tracking_uri: str, policy: FailurePolicy | None = None) -> None:
         os.environ.update(MLFLOW_REQUEST_ENV)
+        quiet_mlflow_urls(tracking_uri)
         self.tracking_uri = tracking_uri
         self.policy = policy or FailurePolicy()
         self._client: MlflowClient | None = None

@@ -67,9 +67,11 @@ def _best_checkpoint(result: Any, config: SweepConfig, settings: Settings) -> An
     the Ray Train checkpoint of its best reported epoch (``checkpoint_uri`` in its results)."""
     from raydeck.storage import checkpoint_at
 
-    checkpoint = result.get_best_checkpoint(config.metric, config.mode)
-    if checkpoint is not None:
-        return checkpoint
+    # Ray raises (rather than answering None) for a trial without Tune checkpoints.
+    if result.best_checkpoints:
+        checkpoint = result.get_best_checkpoint(config.metric, config.mode)
+        if checkpoint is not None:
+            return checkpoint
     history = result.metrics_dataframe
     if history is None or "checkpoint_uri" not in history or config.metric not in history:
         return None

@@ -18,6 +18,7 @@ from typing import Any
 
 from raydeck.config import Settings
 from raydeck.errors import ConfigError
+from raydeck.redaction import quiet_mlflow_urls
 from raydeck.tune.config import SweepConfig
 from raydeck.tune.monitor import END_RUN_TIMEOUT_S, SlotUsage, SweepMonitor, end_child_run
 from raydeck.tune.scheduling import LINEAGE_KEY
@@ -92,6 +93,7 @@ def summarize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any
     """
     from mlflow.tracking import MlflowClient
 
+    quiet_mlflow_urls(settings.tracking.uri)
     client = MlflowClient(settings.tracking.uri)
     children = child_runs(client, parent)
     better = max if config.mode == "max" else min
