@@ -402,13 +402,16 @@ def _interrupted(stop: _StopRequest, monitor: SweepMonitor, parent: Any, config:
 
     stop.join()
     outcomes = {t: o for t in stop.preempted if (o := monitor.outcome(t)) is not None}
+    # A trial Tune started a moment before the signal may have no run yet: it has nothing to
+    # mark and --resume starts it like any pending trial, so the parent counts trials with runs.
+    preempted = stop.preempted
     with contextlib.suppress(Exception):
         client = MlflowClient(settings.tracking.uri)
-        record_outcomes(config, monitor, outcomes, child_runs(client, parent), client)
-    _record_preemption(parent, stop.preempted)
+        preempted = record_outcomes(config, monitor, outcomes, child_runs(client, parent), client)
+    _record_preemption(parent, preempted)
     parent.finish("KILLED")
     raise SweepInterruptedError(
-        f"sweep {config.name!r} stopped by {stop.signal_name}: {len(stop.preempted)} running "
+        f"sweep {config.name!r} stopped by {stop.signal_name}: {len(preempted)} running "
         f"trial(s) marked {PREEMPTED}; continue it with `raydeck sweep --name {config.name} "
         "--resume` (finished trials are kept)"
     )

@@ -144,8 +144,9 @@ def child_runs(client: Any, parent: Any) -> dict[str, Any]:
 
 def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
                      outcomes: dict[str, TrialOutcome], children: dict[str, Any], client: Any
-                     ) -> None:
-    """Make certain every child run records its final outcome.
+                     ) -> list[str]:
+    """Make certain every child run records its final outcome; returns the trials that have a
+    run to record it on (a trial Tune had just started may not have made its run yet).
 
     Trials that ended in this driver were ended as they did (those calls are awaited here);
     others (ended under an earlier driver) are ended now. A run the tracking proxy does not
@@ -159,6 +160,7 @@ def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
     refs = [ref for ref in pending.values() if ref is not None]
     if refs:
         ray.wait(refs, num_returns=len(refs), timeout=END_RUN_TIMEOUT_S)
+    recorded = []
     for trial_id, ref in pending.items():
         try:
             known = ref is not None and bool(ray.get(ref, timeout=0))
@@ -170,6 +172,9 @@ def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
             for key, value in outcome.tags().items():
                 client.set_tag(child.info.run_id, key, value)
             client.set_terminated(child.info.run_id, status=outcome.run_status)
+        if known or child is not None:
+            recorded.append(trial_id)
+    return recorded
 
 
 def _final_outcome(result: Any, trial_id: str, iteration: int, monitor: SweepMonitor,
