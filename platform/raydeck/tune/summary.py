@@ -93,7 +93,6 @@ def summarize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any
     """
     from mlflow.tracking import MlflowClient
 
-    quiet_mlflow_urls(settings.tracking.uri)
     client = MlflowClient(settings.tracking.uri)
     children = child_runs(client, parent)
     better = max if config.mode == "max" else min
@@ -154,6 +153,7 @@ def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
     """
     import ray
 
+    quiet_mlflow_urls(client.tracking_uri)  # set_terminated below would print a credentialed URL
     pending = {trial_id: monitor.ending(trial_id, outcome) or end_child_run(
         config, monitor.namespace, trial_id, outcome, wait_s=None)
         for trial_id, outcome in outcomes.items()}
