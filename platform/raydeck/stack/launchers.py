@@ -8,6 +8,7 @@ with ``docker/docker-compose.yml``).
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import shutil
@@ -144,8 +145,9 @@ def _require_binary(service_name: str, binary: str, path: str | None, fix: str) 
     return path
 
 
-class Launcher:
-    """One service. Subclasses set :attr:`spec` and override what differs."""
+class Launcher(abc.ABC):
+    """One service. Subclasses set :attr:`spec`, say how to start it (:meth:`argv`) and when it
+    is up (:meth:`ready`), and override the other hooks where they differ."""
 
     spec: ServiceSpec
     stop_signal: int = signal.SIGTERM
@@ -156,12 +158,15 @@ class Launcher:
 
     def check(self, ctx: StackContext) -> None:
         """Preflight before anything starts (binaries, modules, versions). Raises StackError."""
+        return None  # optional hook: nothing by default
 
     def prepare(self, ctx: StackContext) -> None:
         """Right before the start: directories, config files, first-run initialisation."""
+        return None  # optional hook: nothing by default
 
+    @abc.abstractmethod
     def argv(self, ctx: StackContext) -> list[str]:
-        raise NotImplementedError
+        """The service's command line."""
 
     def environment(self, ctx: StackContext) -> dict[str, str]:
         """The service's own variables (compose's ``environment`` names + ``local_env``)."""
@@ -170,11 +175,13 @@ class Launcher:
     def run_as(self, ctx: StackContext) -> RunAs | None:
         return None
 
+    @abc.abstractmethod
     def ready(self, ctx: StackContext) -> bool:
-        raise NotImplementedError
+        """Whether the service answers (its health endpoint or a client's probe)."""
 
     def after_ready(self, ctx: StackContext) -> None:
         """Once healthy: what compose does in one-shot services (buckets, databases)."""
+        return None  # optional hook: nothing by default
 
     def urls(self, ctx: StackContext) -> dict[str, str]:
         """What a person opens, by port name."""
