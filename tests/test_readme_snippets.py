@@ -13,9 +13,6 @@ The convention for README's ```python blocks (this test enforces it; follow it w
   where README says it runs (e.g. inside a Ray Train worker) and checks what README promises it
   does. To document a new fragment, pick a harness or add one here, listing the names it
   provides. ``...`` may appear only where Python takes it as a statement that does nothing.
-- **``<!-- snippet: not run: REASON -->``: not executed**, for a block that cannot run on the
-  test machines (it needs a GPU cluster, a Grafana server...). The reason is required and should
-  say what would be needed.
 
 Blocks in other languages (bash, yaml) are not run here: the CLI and job tests run those
 commands. A ``<!-- snippet: ... -->`` marker that is not directly above a ```python block fails
@@ -92,12 +89,6 @@ class Snippet:
     def harness(self) -> str | None:
         return self.marker.removeprefix("in ").strip() if self.marker.startswith("in ") else None
 
-    @property
-    def skip_reason(self) -> str | None:
-        if not self.marker.startswith("not run:"):
-            return None
-        return self.marker.removeprefix("not run:").strip()
-
 
 def _snippets() -> list[Snippet]:
     lines = README.read_text().splitlines()
@@ -126,9 +117,9 @@ def test_readme_has_snippets_and_every_marker_is_valid() -> None:
     for snippet in SNIPPETS:
         where = f"README.md:{snippet.line}"
         if snippet.marker:
-            assert snippet.harness in HARNESSES or snippet.skip_reason, (
+            assert snippet.harness in HARNESSES, (
                 f"{where}: marker {snippet.marker!r} must be 'in <harness>' with a harness of "
-                f"{sorted(HARNESSES)} or 'not run: <reason>'")
+                f"{sorted(HARNESSES)}")
         compile(snippet.code, where, "exec")  # every block is valid Python on its own
 
 
@@ -147,8 +138,6 @@ def _program(snippet: Snippet) -> str:
 def test_readme_snippet_runs(snippet: Snippet, ray_cluster: None, tmp_path: Path) -> None:
     import ray
 
-    if snippet.skip_reason:
-        pytest.skip(f"README.md:{snippet.line} is not run: {snippet.skip_reason}")
     script = tmp_path / "snippet.py"
     script.write_text(_program(snippet))
     # HOME: Ray Train's default storage (~/ray_results) of a snippet stays in its directory.
