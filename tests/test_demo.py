@@ -23,9 +23,12 @@ def _demo(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.timeout(600)
 def test_demo_trains_to_90_percent_and_records_the_run(tmp_path: Path) -> None:
     import mlflow
+    import numpy as np
     from mlflow.tracking import MlflowClient
 
-    first = _demo(tmp_path)
+    from raydeck.examples.digits import raw_split
+
+    first = _demo(tmp_path, "--register-as", "digits")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     out = first.stdout
     assert "validation accuracy:" in out
@@ -56,6 +59,15 @@ def test_demo_trains_to_90_percent_and_records_the_run(tmp_path: Path) -> None:
     assert "logs/rank_0" in {a.path for a in client.list_artifacts(run.info.run_id, "logs")}
     model = mlflow.pytorch.load_model(f"runs:/{run.info.run_id}/model")
     assert model(__import__("torch").zeros(1, 64)).shape == (1, 10)
+    # --register-as: version 1 points at the run, and MLflow alone reproduces the run's
+    # accuracy from raw pixels (the job's scaling is inside the model).
+    assert "registered model:    models:/digits/1" in out
+    version = client.get_model_version("digits", "1")
+    assert version.tags["raydeck.run_id"] == run.info.run_id
+    _, _, x_val, y_val = raw_split(0)
+    served = mlflow.pyfunc.load_model("models:/digits/1")
+    predicted = np.asarray(served.predict(x_val)).argmax(axis=1)
+    assert (predicted == y_val).mean() == pytest.approx(accuracy, abs=1e-3)
     checkpoint = Path(run.data.tags["raydeck.checkpoint.latest"])
     assert checkpoint.name == "epoch_000009" and (checkpoint / "train_state.pt").exists()
     assert runs["again"].info.status == "FINISHED"

@@ -266,14 +266,29 @@ def test_ray_job_submit_runs_the_torch_job_with_the_cpu_runtime_env(
     assert run.data.tags["raydeck.checkpoint.latest_epoch"] == str(EPOCHS - 1)
 
 
+def _raw_accuracy(mlflow_client: Any, uri: str) -> float:
+    """Accuracy of a registered model on the raw validation rows, through MLflow's pyfunc only."""
+    import mlflow
+    import numpy as np
+
+    from raydeck.examples.digits import raw_split
+
+    mlflow.set_tracking_uri(mlflow_client.tracking_uri)
+    _, _, x_val, y_val = raw_split(0)
+    predictions = np.asarray(mlflow.pyfunc.load_model(uri).predict(x_val)).argmax(axis=1)
+    return float((predictions == y_val).mean())
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 120)
 def test_raydeck_submit_runs_the_lightning_job_then_lists_it(
     ray_head: RayHead, mlflow_client: Any
 ) -> None:
     env = _submit_env(ray_head, RAYDECK_DATA_DIR=ray_head.env["RAYDECK_DATA_DIR"])
+    model_name = f"lightning-{uuid.uuid4().hex[:6]}"
     done = _raydeck("submit", "jobs/digits_lightning.py", "--runtime-env",
                     "runtime_envs/cpu.yaml", "--preset", "cpu-2", "--run-name", "submitted",
+                    "--register-as", model_name,
                     "--", "--epochs", str(EPOCHS), "--mode", "all_ranks", env=env)
     out = done.stdout
     assert done.returncode == 0, out[-4000:] + done.stderr[-3000:]
@@ -291,6 +306,15 @@ def test_raydeck_submit_runs_the_lightning_job_then_lists_it(
     assert f"SUCCEEDED {submission_id}" in out and link in out
     token = Path(ray_head.token_path).read_text()
     assert token not in out + done.stderr
+
+    # --register-as: a new version pointing at the run, and the model takes raw pixels.
+    assert f"registered: models:/{model_name}/1" in out
+    version = mlflow_client.get_model_version(model_name, "1")
+    assert version.tags["raydeck.run_id"] == run.info.run_id
+    assert float(version.tags["raydeck.metric.val_accuracy"]) == pytest.approx(
+        run.data.metrics["val_accuracy"])
+    assert _raw_accuracy(mlflow_client, f"models:/{model_name}/1") == pytest.approx(
+        run.data.metrics["val_accuracy"], abs=0.03)  # a rank's half of the split vs all of it
 
     listed = _raydeck("jobs", env=env, timeout=120)
     assert listed.returncode == 0, listed.stderr

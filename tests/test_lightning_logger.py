@@ -28,7 +28,7 @@ def test_lightning_logs_hparams_metrics_and_checkpoints_through_the_tracker(
 
     key = f"lightning-logger-{uuid.uuid4().hex[:8]}"
     config = {"seed": 0, "batch_size": 64}
-    train, val, _ = _loaders(config)
+    train, val = _loaders(config)
     with raydeck.get_tracker(key, run_name="lightning-logger") as tracker:
         logger = RaydeckLogger(tracker, log_checkpoints=True)
         assert logger.experiment is tracker and logger.version == tracker.run_id

@@ -51,6 +51,8 @@ _LAZY = {
     "SearchSpace": "raydeck.tune",
     "RaydeckLogger": "raydeck.integrations.lightning",
     "RaydeckReportCallback": "raydeck.integrations.lightning",
+    "ServeOptions": "raydeck.serving",
+    "register_run_model": "raydeck.models",
 }
 
 
@@ -58,7 +60,8 @@ _LAZY = {
 # (``raydeck.checkpointing.restore(...)``) and imported on first use only.
 _SUBMODULES = (
     "checkpointing", "cluster", "config", "errors", "examples", "integrations", "jobs", "models",
-    "observability", "redaction", "scaling", "stack", "storage", "tracking", "training", "tune",
+    "observability", "redaction", "scaling", "serving", "stack", "storage", "tracking", "training",
+    "tune",
 )
 __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _LAZY)
 
@@ -77,6 +80,7 @@ __all__ = [
     "RaydeckLogger",
     "RaydeckReportCallback",
     "SearchSpace",
+    "ServeOptions",
     "Settings",
     "StorageError",
     "SweepConfig",
@@ -91,6 +95,7 @@ __all__ = [
     "get_preset",
     "get_tracker",
     "load_settings",
+    "register_run_model",
     "report_epoch",
     "restore",
     "sweep",

@@ -92,6 +92,8 @@ def check(
                                    help="How far back a panel may have data, e.g. 15m, 1h."),
     variables: list[str] = typer.Option([], "--var", help="A variable's value, name=regex "
                                                           "(default: All). Repeatable."),
+    uids: list[str] = typer.Option([], "--dashboard", help="Check only this dashboard (its "
+                                   "uid, e.g. raydeck-training). Repeatable; default: all."),
     directory: Path = DirOption,
 ) -> None:
     """Run every panel's query against Prometheus; exit 1 if one errors or returns nothing."""
@@ -108,9 +110,16 @@ def check(
         if not sep or not name:
             raise ConfigError(f"--var {item!r}: must be name=value, e.g. run=digits.*")
         values[name] = value
+    dashboards = load_dashboards(directory)
+    unknown = sorted(set(uids) - {d.uid for d in dashboards})
+    if unknown:
+        raise ConfigError(f"--dashboard {', '.join(unknown)}: no such uid; the dashboards are "
+                          f"{', '.join(d.uid for d in dashboards)}")
+    if uids:
+        dashboards = [d for d in dashboards if d.uid in uids]
     client = PrometheusClient(prometheus_url)
     with console.status(f"querying {shown}..."):
-        results = check_panels(load_dashboards(directory), client,
+        results = check_panels(dashboards, client,
                                range_s=parse_duration(time_range), values=values)
     table = Table(title=f"panels vs {shown} (last {time_range})")
     for column in ("dashboard", "panel", "query", "status", "series", "detail"):

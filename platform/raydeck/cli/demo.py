@@ -46,6 +46,8 @@ def demo(
     epochs: int = typer.Option(10, min=1, help="Training epochs."),
     preset: str = typer.Option("cpu-2", help="Scaling preset (`raydeck presets` lists them)."),
     run_name: str = typer.Option("digits-demo", help="MLflow run name."),
+    register_as: str = typer.Option(None, "--register-as", metavar="NAME",
+                                    help="Register the trained model as a new version of NAME."),
 ) -> None:
     """Train a digits classifier on a local Ray cluster with 2 workers, tracked in MLflow."""
     from raydeck.config import load_settings
@@ -62,13 +64,17 @@ def demo(
 
         connect(settings, log_to_driver=False)
     run = run_digits(preset=preset, config={"epochs": epochs}, run_name=run_name,
-                     settings=settings, watch=_progress_watcher(epochs))
+                     settings=settings, watch=_progress_watcher(epochs),
+                     register_as=register_as)
     uri = redact_url(run.tracking_uri)
     console.print(f"\n[bold green]done[/] in {run.wall_time_s:.0f} s")
     console.print(f"  MLflow run:          {run.run_id} ({run.run_name})")
     console.print(f"  validation accuracy: {run.val_accuracy:.3f}")
     console.print(f"  data:                {settings.data_dir}", soft_wrap=True)
     console.print(f"  latest checkpoint:   {run.checkpoint_path}", soft_wrap=True)
+    if run.registered_model_uri:
+        console.print(f"  registered model:    {run.registered_model_uri}  (serve it: raydeck "
+                      f"serve {run.registered_model_uri})", soft_wrap=True)
     if uri.startswith(("http://", "https://")):
         console.print(f"  open:                {uri}/#/experiments/{run.experiment_id}/runs/"
                       f"{run.run_id}", soft_wrap=True)

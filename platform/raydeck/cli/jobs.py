@@ -33,6 +33,9 @@ def submit(
     cluster_env: bool = typer.Option(False, "--cluster-env",
                                      help="Leave ${NAME} values for the cluster's nodes to fill "
                                           "in (as `ray job submit` does) instead of your shell."),
+    register_as: str = typer.Option(None, "--register-as", metavar="NAME",
+                                    help="Once the job succeeds, register the model its run "
+                                         "logged (artifact `model`) as a new version of NAME."),
 ) -> None:
     """Submit a job file with a preset and a runtime env; stream its log; show its MLflow run.
 
@@ -56,6 +59,7 @@ def submit(
         stream_logs,
         submit_job,
     )
+    from raydeck.models import check_model_name, register_run_model
     from raydeck.redaction import redact_text, redact_url
     from raydeck.scaling import check_feasible, get_preset
 
@@ -65,6 +69,11 @@ def submit(
     name = run_name or Path(job_file).stem.replace("_", "-")
     if run_id is not None and not RUN_KEY_PATTERN.match(run_id):
         raise ConfigError(f"--run-id={run_id!r}: may hold 1-128 letters, digits, _ . - only")
+    if register_as is not None:
+        check_model_name(register_as)
+        if not wait:
+            raise ConfigError("--register-as registers the run's model once the job succeeds: "
+                              "it needs --wait (drop --no-wait)")
     env = load_runtime_env(runtime_env, fill=not cluster_env)
     check_job_file(job_file, env)
     request = JobRequest(job_file=job_file, preset=chosen.name, run_name=name,
@@ -102,6 +111,14 @@ def submit(
                       f"{redact_url(settings.tracking.uri)})", soft_wrap=True)
     if status != "SUCCEEDED":
         raise typer.Exit(EXIT_JOB_FAILED)
+    if register_as is not None:
+        if not run.mlflow_run_id:
+            raise ConfigError(f"--register-as {register_as!r}: the job succeeded but its MLflow "
+                              "run was not found, so there is no model to register")
+        registered = register_run_model(settings.tracking.uri, run.mlflow_run_id, register_as,
+                                        "val_accuracy")
+        console.print(f"  registered: {registered.uri}  (serve it: raydeck serve "
+                      f"{registered.uri})", soft_wrap=True)
 
 
 def _quiet_logs(level: str) -> None:

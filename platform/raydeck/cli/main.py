@@ -16,8 +16,10 @@ from raydeck.cli import (
     dashboards,
     demo,
     jobs,
+    models,
     monitoring,
     presets,
+    serving,
     stack,
     status,
     storage,
@@ -62,6 +64,8 @@ app.command("submit", context_settings={"allow_extra_args": True,
                                         "ignore_unknown_options": True})(jobs.submit)
 app.command("jobs")(jobs.jobs)
 app.command("sweep")(sweep.sweep)
+app.command("serve")(serving.serve)
+app.add_typer(models.app, name="models")
 app.add_typer(tracking.app, name="tracking")
 app.add_typer(settings_cmd.app, name="config")
 app.add_typer(storage.app, name="storage")

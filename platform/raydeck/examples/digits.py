@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from raydeck.errors import ConfigError
+from raydeck.models import Standardized
 from raydeck.redaction import RedactingFilter, redact_url
 
 if TYPE_CHECKING:
@@ -43,24 +44,53 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "seed": 0,
 }
 VAL_FRACTION = 0.2
-MIN_PIXEL_STD = 0.1
+PIXEL_MAX = 16.0
+MIN_PIXEL_STD = 0.1  # of the pixel range
 
 
-def load_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Standardized digits as float32 ``(x_train, y_train, x_val, y_val)``, split by ``seed``."""
+def raw_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Digits as users have them, 0-16 per pixel as float64 (scikit-learn's own dtype):
+    ``(x_train, y_train, x_val, y_val)``.
+
+    The split is stratified and fixed by ``seed``, so every job, test and model sees the same
+    validation rows for the same seed.
+    """
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)
     x_train, x_val, y_train, y_val = train_test_split(
-        x, data.target, test_size=VAL_FRACTION, random_state=seed, stratify=data.target
+        data.data, data.target, test_size=VAL_FRACTION, random_state=seed,
+        stratify=data.target,
     )
+    return x_train, y_train.astype(np.int64), x_val, y_val.astype(np.int64)
+
+
+def pixel_scaling(x_train: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-pixel ``(mean, std)`` of raw training rows, what training standardizes with."""
     # Border pixels are (almost) always 0 in the training split; a floor on their spread keeps
     # the rare validation image with ink there from becoming a huge input.
-    mean, std = x_train.mean(axis=0), np.maximum(x_train.std(axis=0), MIN_PIXEL_STD)
-    return ((x_train - mean) / std, y_train.astype(np.int64),
-            (x_val - mean) / std, y_val.astype(np.int64))
+    return x_train.mean(axis=0), np.maximum(x_train.std(axis=0), MIN_PIXEL_STD * PIXEL_MAX)
+
+
+def load_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Standardized digits as float32 ``(x_train, y_train, x_val, y_val)``, split by ``seed``."""
+    x_train, y_train, x_val, y_val = raw_split(seed)
+    mean, std = pixel_scaling(x_train)
+    return (((x_train - mean) / std).astype(np.float32), y_train,
+            ((x_val - mean) / std).astype(np.float32), y_val)
+
+
+def servable(model: nn.Module, seed: int = 0) -> tuple[Standardized, np.ndarray]:
+    """The trained model as users call it: raw pixels in (the job's scaling inside), CPU.
+
+    Returns the model and an input example (two raw validation rows) for its signature.
+    """
+    x_train, _, x_val, _ = raw_split(seed)
+    # DDP wraps the trained module; the registered model is the plain one.
+    inner = getattr(model, "module", model)
+    plain = inner if isinstance(inner, nn.Module) else model
+    return Standardized(plain.cpu(), *pixel_scaling(x_train)), x_val[:2]
 
 
 class DigitsMLP(nn.Module):
@@ -146,8 +176,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             )
         if ray.train.get_context().get_world_rank() == 0:
             with tempfile.TemporaryDirectory() as tmp:
-                plain = model.module if hasattr(model, "module") else model
-                tracker.log_artifact(save_torch_model(plain.cpu(), Path(tmp), x_val[:2]))
+                served, example = servable(model, config["seed"])
+                tracker.log_artifact(save_torch_model(served, Path(tmp), example))
 
 
 @dataclass(frozen=True)
@@ -161,6 +191,7 @@ class DigitsRun:
     checkpoint_path: str
     tracking_uri: str
     wall_time_s: float
+    registered_model_uri: str | None = None
 
 
 def run_digits(
@@ -173,6 +204,7 @@ def run_digits(
     settings: Settings | None = None,
     watch: Callable[[Tracker, threading.Event], None] | None = None,
     train_fn: Callable[[dict[str, Any]], None] = train_loop_per_worker,
+    register_as: str | None = None,
 ) -> DigitsRun:
     """Train the digits classifier on Ray Train, tracked in MLflow; the driver side of the job.
 
@@ -185,6 +217,10 @@ def run_digits(
     With ``run_id`` (or ``RAYDECK_RUN_ID``) naming a run whose driver died, training resumes in
     that run from its latest committed checkpoint: Ray Train's storage folder is named by the
     run id, and the tracker attaches to the existing MLflow run.
+
+    With ``register_as``, the run's model (raw pixels in, the job's scaling inside) becomes a
+    new version of that registered model once the run has ended, tagged with the run, its git
+    commit and its ``val_accuracy``.
 
     Raises:
         PresetError: unknown or invalid preset.
@@ -202,6 +238,10 @@ def run_digits(
     config = {**DEFAULT_CONFIG, **(config or {})}
     if int(config["epochs"]) < 1:
         raise ConfigError(f"epochs={config['epochs']}: must be >= 1")
+    if register_as is not None:
+        from raydeck.models import check_model_name
+
+        check_model_name(register_as)
     connect(settings, log_to_driver=watch is None)
     feasibility = check_feasible(chosen)
     if not feasibility.runs_now:
@@ -241,7 +281,14 @@ def run_digits(
             checkpoint_path=result.checkpoint.path if result.checkpoint else "",
             tracking_uri=settings.tracking.uri, wall_time_s=0.0,
         )
-    return dataclasses.replace(run, wall_time_s=time.perf_counter() - started)
+    registered = None
+    if register_as:
+        from raydeck.models import register_run_model
+
+        registered = register_run_model(settings.tracking.uri, run.run_id, register_as,
+                                        "val_accuracy").uri
+    return dataclasses.replace(run, wall_time_s=time.perf_counter() - started,
+                               registered_model_uri=registered)
 
 
 SWEEP_REPORTS = ("val_accuracy", "val_loss", "train_loss", "trial_setup_s")
@@ -298,12 +345,17 @@ def _sweep_model(config: dict[str, Any]) -> DigitsMLP:
     return DigitsMLP(int(config["hidden"]), float(config["dropout"]))
 
 
+def _sweep_servable(model: DigitsMLP, config: dict[str, Any]) -> tuple[Standardized, np.ndarray]:
+    """A trial's model as users call it, scaled with its own split's statistics."""
+    return servable(model, int({**DEFAULT_CONFIG, **config}["seed"]))
+
+
 def digits_sweep_job() -> Any:
     """The digits classifier as a :class:`raydeck.tune.SweepJob` of single-process trials."""
     from raydeck.tune import SweepJob
 
     return SweepJob(train_fn=sweep_trial, reports=SWEEP_REPORTS, load_data=load_sweep_data,
-                    model_factory=_sweep_model)
+                    model_factory=_sweep_model, serving_model=_sweep_servable)
 
 
 def digits_distributed_sweep_job() -> Any:
@@ -313,7 +365,8 @@ def digits_distributed_sweep_job() -> Any:
     from raydeck.tune import SweepJob
 
     return SweepJob(train_fn=train_loop_per_worker, reports=DISTRIBUTED_SWEEP_REPORTS,
-                    model_factory=_sweep_model, distributed=True)
+                    model_factory=_sweep_model, serving_model=_sweep_servable,
+                    distributed=True)
 
 
 def job_arguments(description: str, run_name: str) -> argparse.ArgumentParser:
@@ -328,6 +381,8 @@ def job_arguments(description: str, run_name: str) -> argparse.ArgumentParser:
                         help="shared run id: resume or join this run (default RAYDECK_RUN_ID)")
     parser.add_argument("--mode", default=None, choices=["rank_zero", "all_ranks", "per_rank"],
                         help="tracking mode (default RAYDECK_TRACKING_MODE)")
+    parser.add_argument("--register-as", default=None, metavar="NAME",
+                        help="register the run's model as a new version of NAME")
     for name, default in DEFAULT_CONFIG.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     return parser
@@ -343,8 +398,12 @@ def run_job(train_fn: Callable[[dict[str, Any]], None], *, description: str, run
     run = run_digits(
         preset=args.preset, config={name: getattr(args, name) for name in DEFAULT_CONFIG},
         run_name=args.run_name, run_id=args.run_id, mode=args.mode, train_fn=train_fn,
+        register_as=args.register_as,
     )
     logger.info("MLflow run %s (%s): val_accuracy %.3f in %.0f s; tracking URI %s",
                 run.run_id, run.run_name, run.val_accuracy, run.wall_time_s,
                 redact_url(run.tracking_uri))
+    if run.registered_model_uri:
+        logger.info("registered %s (serve it: raydeck serve %s)", run.registered_model_uri,
+                    run.registered_model_uri)
     return run

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from raydeck.examples.digits import DEFAULT_CONFIG, DigitsMLP, load_split
+from raydeck.examples.digits import DEFAULT_CONFIG, DigitsMLP, load_split, servable
 
 # Each worker sees ~12 batches per epoch; log every 4th so step curves have points.
 LOG_EVERY_N_STEPS = 4
@@ -57,13 +57,13 @@ class DigitsModule(pl.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=self.hparams["lr"])
 
 
-def _loaders(config: dict[str, Any]) -> tuple[DataLoader, DataLoader, Any]:
+def _loaders(config: dict[str, Any]) -> tuple[DataLoader, DataLoader]:
     x_train, y_train, x_val, y_val = load_split(config["seed"])
     train = DataLoader(TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train)),
                        batch_size=config["batch_size"], shuffle=True)
     val = DataLoader(TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val)),
                      batch_size=256)
-    return train, val, x_val[:2]
+    return train, val
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
@@ -81,7 +81,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     with raydeck.get_tracker() as tracker:
         tracker.log_params({k: config[k] for k in DEFAULT_CONFIG})
         torch.manual_seed(config["seed"])
-        train_loader, val_loader, example = _loaders(config)
+        train_loader, val_loader = _loaders(config)
         module = DigitsModule(config["hidden"], config["dropout"], config["lr"])
         trainer = pl.Trainer(
             max_epochs=config["epochs"],
@@ -99,4 +99,5 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt_path)
         if ray.train.get_context().get_world_rank() == 0:
             with tempfile.TemporaryDirectory() as tmp:
-                tracker.log_artifact(save_torch_model(module.model.cpu(), Path(tmp), example))
+                served, example = servable(module.model, config["seed"])
+                tracker.log_artifact(save_torch_model(served, Path(tmp), example))

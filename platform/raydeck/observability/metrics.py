@@ -184,6 +184,18 @@ STORAGE_OP_LATENCY = MetricSpec(
 STORAGE_OP_ERRORS = MetricSpec(
     "raydeck_storage_op_errors", "counter", "Object-storage operations that raised", ("op",))
 
+_SERVING_LABELS = ("app", "model")
+SERVING_MODEL_VERSION = MetricSpec(
+    "raydeck_serving_model_version", "gauge",
+    "Registry version a serving replica answers with (0: a runs:/ URI)", _SERVING_LABELS)
+SERVING_MODEL_UPDATES = MetricSpec(
+    "raydeck_serving_model_updates", "counter",
+    "Alias moves a replica acted on: outcome=switched, or rejected (failed its health check; "
+    "the replica kept its version)", (*_SERVING_LABELS, "outcome"))
+SERVING_BAD_REQUESTS = MetricSpec(
+    "raydeck_serving_bad_requests", "counter",
+    "Requests answered 400 (not JSON, wrong shape or dtype, too large)", _SERVING_LABELS)
+
 METRICS: tuple[MetricSpec, ...] = (
     TRACKING_POINTS_RECEIVED, TRACKING_POINTS_WRITTEN, TRACKING_WRITE_ERRORS,
     TRACKING_WRITE_LATENCY, TRACKING_QUEUE_DEPTH, TRACKING_SPOOL_BYTES, TRACKING_REPLAY_BACKLOG,
@@ -192,6 +204,7 @@ METRICS: tuple[MetricSpec, ...] = (
     TRAIN_CHECKPOINT_SAVE, TRAIN_CHECKPOINT_BYTES,
     SWEEP_TRIALS, SWEEP_BEST_SCORE,
     STORAGE_OP_LATENCY, STORAGE_OP_ERRORS,
+    SERVING_MODEL_VERSION, SERVING_MODEL_UPDATES, SERVING_BAD_REQUESTS,
 )
 
 

@@ -142,6 +142,9 @@ class SweepJob:
             any trial starts.
         load_data: builds the data once on the driver; it goes to Ray's object store once.
         model_factory: ``model_factory(config)`` rebuilds the model to register the best one.
+        serving_model: ``serving_model(model, config)`` gives the trained model as users call
+            it (its input preprocessing inside) and an input example for its signature; without
+            it the model is registered as trained, with no example.
         distributed: run each trial as a ``TorchTrainer`` with the preset's workers.
     """
 
@@ -149,4 +152,5 @@ class SweepJob:
     reports: tuple[str, ...]
     load_data: Callable[[], Any] | None = None
     model_factory: Callable[[dict[str, Any]], Any] | None = None
+    serving_model: Callable[[Any, dict[str, Any]], tuple[Any, Any]] | None = None
     distributed: bool = False

@@ -24,6 +24,7 @@ from typing import Any
 
 from raydeck.config import Settings, load_settings
 from raydeck.errors import ConfigError, SweepFinalizeError, SweepInterruptedError
+from raydeck.models import RUN_TAG
 from raydeck.tune.config import SweepConfig, SweepJob
 from raydeck.tune.experiment import SweepStorage, sweep_storage
 from raydeck.tune.monitor import SweepMonitor, monitoring, tune_callback
@@ -476,4 +477,4 @@ def _same_best(registered: str, result: SweepResult, settings: Settings) -> bool
         found = MlflowClient(settings.tracking.uri).get_model_version(name, version)
     except Exception:
         return False
-    return bool(found.tags.get("raydeck.trial_run_id") == result.best_run_id)
+    return bool(found.tags.get(RUN_TAG) == result.best_run_id)

@@ -35,7 +35,7 @@ def register_best(grid: Any, best: TrialSummary, config: SweepConfig, job: Sweep
     from mlflow.tracking import MlflowClient
 
     from raydeck.checkpointing import load_model_state
-    from raydeck.models import MODEL_ARTIFACT_PATH, save_torch_model
+    from raydeck.models import METRIC_TAG_PREFIX, MODEL_ARTIFACT_PATH, RUN_TAG, save_torch_model
     from raydeck.storage import credentials_in_env
 
     assert job.model_factory is not None and config.register_model_as is not None
@@ -48,14 +48,16 @@ def register_best(grid: Any, best: TrialSummary, config: SweepConfig, job: Sweep
     with checkpoint.as_directory() as directory:
         load_model_state(directory, model)
     with tempfile.TemporaryDirectory() as tmp, credentials_in_env(settings.storage):
-        saved = save_torch_model(model.cpu(), Path(tmp))
+        served, example = (job.serving_model(model, best.config) if job.serving_model
+                           else (model.cpu(), None))
+        saved = save_torch_model(served, Path(tmp), example)
         client.log_artifacts(best.run_id, str(saved), MODEL_ARTIFACT_PATH)
         mlflow.set_tracking_uri(client.tracking_uri)
         version = mlflow.register_model(
             f"runs:/{best.run_id}/{MODEL_ARTIFACT_PATH}", config.register_model_as,
             tags={"raydeck.sweep": config.key, "raydeck.sweep_run_id": parent.run_id,
-                  "raydeck.trial_id": best.trial_id, "raydeck.trial_run_id": best.run_id,
-                  f"raydeck.{config.metric}": json.dumps(best.best_score)},
+                  "raydeck.trial_id": best.trial_id, RUN_TAG: best.run_id,
+                  METRIC_TAG_PREFIX + config.metric: json.dumps(best.best_score)},
         )
     uri = f"models:/{config.register_model_as}/{version.version}"
     parent.set_tags({REGISTERED_MODEL_TAG: uri})

@@ -1,0 +1,263 @@
+"""raydeck serve against `mlflow models serve`: requests/s, p50/p99 latency and errors.
+
+One run, one registered model (the digits MLP with its scaling inside, trained for a few epochs
+in this process), one machine. Servers, each given the same compute:
+
+- ``mlflow models serve --env-manager local`` (what MLflow users run today; 1 worker);
+- ``raydeck serve`` on a local Ray instance, 1 replica (preset cpu-1), with batching
+  (``--max-batch-size 32``) and without (``1``).
+
+A client (asyncio + aiohttp, in this process) keeps ``--clients`` requests in flight for
+``--seconds`` per point, each request one raw digits row in MLflow's ``inputs`` form, and counts
+every answer that is not 200 as an error. The client shares the machine's cores with the
+servers, the same for every server. Printed: one row per server and concurrency (for raydeck
+serve with where a request's time went: mean time at Serve's proxy and in the replica, from
+Serve's own latency histograms), then the ratios raydeck/mlflow.
+
+Run: ``.venv/bin/python benchmarks/serving.py`` (about 3 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CPUS = 2
+
+
+@dataclass(frozen=True)
+class Point:
+    server: str
+    clients: int
+    requests_per_s: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+
+
+def train_and_register(tracking_uri: str) -> str:
+    """A digits MLP trained for 5 epochs in this process, registered as ``bench``."""
+    import mlflow
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from raydeck.examples.digits import DigitsMLP, load_split, servable, train_epoch
+    from raydeck.models import register_run_model, save_torch_model
+
+    x_train, y_train, _, _ = load_split(0)
+    torch.manual_seed(0)
+    model = DigitsMLP()
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.003)
+    loader = DataLoader(TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train)),
+                        batch_size=64, shuffle=True)
+    for _ in range(5):
+        train_epoch(model, loader, optimizer)
+    mlflow.set_tracking_uri(tracking_uri)
+    with mlflow.start_run() as run, tempfile.TemporaryDirectory() as tmp:
+        served, example = servable(model.eval(), 0)
+        mlflow.log_artifacts(str(save_torch_model(served, Path(tmp), example)), "model")
+    return register_run_model(tracking_uri, run.info.run_id, "bench").uri
+
+
+async def load(url: str, clients: int, seconds: float, body: bytes) -> Point:
+    """Keep ``clients`` requests in flight for ``seconds``; latencies of every answer."""
+    import aiohttp
+
+    latencies: list[float] = []
+    errors = 0
+    deadline = time.perf_counter() + seconds
+    connector = aiohttp.TCPConnector(limit=clients)
+    headers = {"Content-Type": "application/json"}
+
+    async with aiohttp.ClientSession(connector=connector) as session:
+        async def client() -> None:
+            nonlocal errors
+            while time.perf_counter() < deadline:
+                started = time.perf_counter()
+                try:
+                    async with session.post(url, data=body, headers=headers) as answer:
+                        await answer.read()
+                        ok = answer.status == 200
+                except aiohttp.ClientError:
+                    ok = False
+                latencies.append(time.perf_counter() - started)
+                errors += not ok
+
+        started = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        elapsed = time.perf_counter() - started
+    ms = np.asarray(latencies) * 1000
+    return Point("", clients, len(latencies) / elapsed, float(np.percentile(ms, 50)),
+                 float(np.percentile(ms, 99)), errors)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float = 180) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with {server.returncode} before answering")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"{url} did not answer in {timeout_s:.0f} s")
+
+
+def measure(name: str, url: str, args: argparse.Namespace, body: bytes,
+            metrics_port: int | None = None) -> list[Point]:
+    """Every concurrency level against one server; with ``metrics_port`` (Serve), also the
+    mean time a request spent at Serve's proxy and in the replica at each level."""
+    asyncio.run(load(url, 4, 2.0, body))  # warm-up: connections, first batches, JIT paths
+    points = []
+    for clients in args.clients:
+        before = histogram_totals(metrics_port) if metrics_port else {}
+        point = asyncio.run(load(url, clients, args.seconds, body))
+        points.append(Point(name, clients, point.requests_per_s, point.p50_ms, point.p99_ms,
+                            point.errors))
+        line = (f"  {name:<28} {clients:>3} clients  {point.requests_per_s:8.0f} req/s  "
+                f"p50 {point.p50_ms:7.1f} ms  p99 {point.p99_ms:7.1f} ms  "
+                f"errors {point.errors}")
+        if metrics_port:
+            sent = point.requests_per_s * args.seconds
+            after = exported(metrics_port, before["proxy"][1] + sent * 0.99)
+            means = {key: (after[key][0] - before[key][0])
+                     / max(after[key][1] - before[key][1], 1) for key in HISTOGRAMS}
+            line += f"  | proxy {means['proxy']:6.1f} ms, replica {means['replica']:6.1f} ms"
+        print(line, flush=True)
+    return points
+
+
+HISTOGRAMS = {"proxy": "ray_serve_http_request_latency_ms",
+              "replica": "ray_serve_deployment_processing_latency_ms"}
+
+
+def histogram_totals(metrics_port: int) -> dict[str, tuple[float, float]]:
+    """``(sum, count)`` of Serve's latency histograms, read from Ray's metrics endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as page:
+        text = page.read().decode()
+    totals = {}
+    for key, name in HISTOGRAMS.items():
+        total = count = 0.0
+        for line in text.splitlines():
+            if line.startswith(f"{name}_sum"):
+                total += float(line.rsplit(" ", 1)[1])
+            elif line.startswith(f"{name}_count"):
+                count += float(line.rsplit(" ", 1)[1])
+        totals[key] = (total, count)
+    return totals
+
+
+def exported(metrics_port: int, requests: float) -> dict[str, tuple[float, float]]:
+    """Histogram totals once the proxy's count has reached ``requests`` (exports lag)."""
+    deadline = time.time() + 30
+    while True:
+        totals = histogram_totals(metrics_port)
+        if totals["proxy"][1] >= requests or time.time() > deadline:
+            return totals
+        time.sleep(0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    args = parser.parse_args()
+
+    from sklearn.datasets import load_digits
+
+    workdir = Path(tempfile.mkdtemp(prefix="raydeck-bench-serving-"))
+    tracking_uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    os.environ.update({"RAYDECK_TRACKING_URI": tracking_uri,
+                       "RAYDECK_DATA_DIR": str(workdir / "data"), "RAY_AUTH_MODE": "disabled",
+                       "MLFLOW_TRACKING_URI": tracking_uri, "RAY_USAGE_STATS_ENABLED": "0"})
+    model_uri = train_and_register(tracking_uri)
+    body = json.dumps({"inputs": [load_digits().data[0].tolist()]}).encode()
+    print(f"model {model_uri}; {os.cpu_count()} cores; load average "
+          f"{os.getloadavg()[0]:.2f}; {args.seconds:.0f} s per point")
+
+    import mlflow.pyfunc
+
+    model = mlflow.pyfunc.load_model(model_uri)
+    row = np.asarray([load_digits().data[0]])
+    started = time.perf_counter()
+    for _ in range(200):
+        model.predict(row)
+    predict_ms = (time.perf_counter() - started) / 200 * 1000
+
+    points: list[Point] = []
+    port = free_port()
+    mlflow_server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", model_uri,
+         "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.DEVNULL, stderr=(workdir / "mlflow-serve.log").open("w"),
+        # It starts `uvicorn` from PATH, as in an activated venv.
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/ping", mlflow_server)
+        points += measure("mlflow models serve", f"http://127.0.0.1:{port}/invocations", args,
+                          body)
+    finally:
+        mlflow_server.terminate()
+        mlflow_server.wait(timeout=30)
+
+    import ray
+    from ray import serve
+
+    from raydeck.config import load_settings
+    from raydeck.serving import ServeOptions, deploy
+
+    metrics_port = free_port()
+    # Exports every second instead of 10, so each point's histograms are read right after it.
+    ray.init(num_cpus=CPUS, _metrics_export_port=metrics_port, log_to_driver=False,
+             _system_config={"metrics_report_interval_ms": 1000})
+    serve_port = free_port()
+    settings = load_settings()
+    try:
+        for label, batch in (("raydeck serve (batching)", 32), ("raydeck serve (no batch)", 1)):
+            options = ServeOptions(model_uri, name=f"bench-{batch}", preset="cpu-1",
+                                   max_batch_size=batch, port=serve_port,
+                                   route_prefix=f"/b{batch}")
+            deploy(options, settings)
+            points += measure(label, f"{options.url}/invocations", args, body, metrics_port)
+            serve.delete(options.name)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+    baseline = {p.clients: p for p in points if p.server == "mlflow models serve"}
+    print("\nratios against mlflow models serve (throughput: higher is better; p99: lower is "
+          "better)")
+    for point in points:
+        if point.server == "mlflow models serve":
+            continue
+        base = baseline[point.clients]
+        print(f"  {point.server:<28} {point.clients:>3} clients  throughput x"
+              f"{point.requests_per_s / base.requests_per_s:5.2f}  p99 x"
+              f"{point.p99_ms / base.p99_ms:5.2f}")
+    print(f"\nthe model alone predicts one row in {predict_ms:.2f} ms (in process); the rest of "
+          "a request's time is HTTP, Serve's proxy (the `proxy` mean, end to end inside Ray) "
+          "and the replica (`replica`: parsing, batch wait, queueing, the model)")
+
+
+if __name__ == "__main__":
+    main()

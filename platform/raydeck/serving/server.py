@@ -1,0 +1,262 @@
+"""The Serve replica: one registered model behind MLflow's scoring protocol, batched, following
+an alias.
+
+Owns: :class:`ModelServer`, the class every replica of a ``raydeck serve`` application runs:
+HTTP routes (``POST /invocations``, ``GET /ping``, ``/health``, ``/version``), dynamic batching
+(``@serve.batch``, sizes settable through the deployment's ``user_config``), and following a
+registry alias. Does not own: building or deploying the application (:mod:`raydeck.serving.app`)
+or the request format (:mod:`raydeck.serving.protocol`).
+
+Why a replica follows its alias itself instead of being redeployed: a replica that loads the new
+version beside the one it serves, checks it on the model's own input example, and only then swaps
+one reference never fails a request, needs no driver to stay alive (``serve deploy`` on a
+cluster has none), and keeps the version it has when the new one fails its check: that is the
+rollback, with the refusal shown on ``/health``, logged, and counted, and not tried again until
+the alias moves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from ray import serve
+
+from raydeck.models import ModelRef, resolve_model_uri
+from raydeck.serving.protocol import (
+    InputError,
+    Parsed,
+    TensorInput,
+    parse_request,
+    predictions_json,
+)
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    from raydeck.config import Settings
+    from raydeck.serving.app import ServeOptions
+
+logger = logging.getLogger(__name__)
+
+VERSION_HEADER = "x-raydeck-model-version"
+JSON = "application/json"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A loaded model version: what a batch is predicted with, swapped as one reference."""
+
+    ref: ModelRef
+    model: Any
+    expected: TensorInput | None
+
+    @property
+    def version(self) -> str:
+        return self.ref.version or self.ref.uri
+
+    def predict(self, rows: np.ndarray) -> np.ndarray:
+        return np.asarray(self.model.predict(rows))
+
+
+def load(ref: ModelRef, settings: Settings) -> LoadedModel:
+    """Load one version and check it predicts its own input example (its health check).
+
+    Raises:
+        Exception: whatever loading or predicting raised; the caller keeps its current model.
+    """
+    import mlflow.pyfunc
+
+    from raydeck.storage import credentials_in_env
+
+    with credentials_in_env(settings.storage):
+        mlflow.set_tracking_uri(settings.tracking.uri)
+        model = mlflow.pyfunc.load_model(ref.pinned_uri)
+    loaded = LoadedModel(ref, model, TensorInput.from_schema(model.metadata.get_input_schema()))
+    example = getattr(model, "input_example", None)
+    if example is not None:
+        answer = loaded.predict(np.asarray(example))
+        if len(answer) != len(example) or not np.isfinite(answer.astype(float)).all():
+            raise ValueError(f"predicting its input example gave {answer!r}")
+    return loaded
+
+
+class ModelServer:
+    """One replica of a served model (see the module docstring for the contract)."""
+
+    def __init__(self, options: ServeOptions, settings: Settings | None = None) -> None:
+        from raydeck.config import load_settings
+        from raydeck.observability.metrics import (
+            SERVING_BAD_REQUESTS,
+            SERVING_MODEL_UPDATES,
+            SERVING_MODEL_VERSION,
+            counter,
+            gauge,
+            zero_counter,
+        )
+
+        logging.getLogger("raydeck").setLevel(logging.INFO)
+        self._options = options
+        self._settings = settings or load_settings()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="raydeck-predict")
+        self._tags = {"app": options.name, "model": options.model_uri}
+        self._version_gauge = gauge(SERVING_MODEL_VERSION)
+        self._updates = counter(SERVING_MODEL_UPDATES)
+        self._bad_requests = counter(SERVING_BAD_REQUESTS)
+        for outcome in ("switched", "rejected"):
+            zero_counter(SERVING_MODEL_UPDATES, {**self._tags, "outcome": outcome})
+        zero_counter(SERVING_BAD_REQUESTS, self._tags)
+        self._loaded = load(resolve_model_uri(options.model_uri, self._settings.tracking.uri),
+                            self._settings)
+        self._publish_version()
+        self._rejected: dict[str, str] = {}
+        self._stop = threading.Event()
+        self.reconfigure(options.user_config())
+        if options.follows_alias:
+            threading.Thread(target=self._follow, name="raydeck-follow-alias",
+                             daemon=True).start()
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's in-place update: new batch settings without restarting the replica."""
+        self._max_batch_size = int(user_config["max_batch_size"])
+        batcher: Any = self._predict_batch  # serve.batch adds the setters to the method
+        batcher.set_max_batch_size(self._max_batch_size)
+        batcher.set_batch_wait_timeout_s(float(user_config["batch_wait_timeout_s"]))
+
+    def check_health(self) -> None:
+        """Serve's replica health check: a replica always holds a loaded model."""
+        if self._loaded is None:
+            raise RuntimeError("no model loaded")
+
+    def describe(self) -> dict[str, Any]:
+        """What this replica serves: ``raydeck serve status`` and ``/health`` show it."""
+        loaded = self._loaded
+        return {"model_uri": self._options.model_uri, "version": loaded.ref.version,
+                "pinned_uri": loaded.ref.pinned_uri, "run_id": loaded.ref.run_id,
+                "max_batch_size": self._max_batch_size, "rejected": dict(self._rejected)}
+
+    async def __call__(self, request: Request) -> Response:
+        from starlette.responses import Response
+
+        path = "/" + request.url.path.rstrip("/").rsplit("/", 1)[-1]
+        if path in ("/ping", "/health", "/version") and request.method == "GET":
+            state = {"status": "ok", **self.describe()} if path != "/ping" else {"status": "ok"}
+            return Response(json.dumps(state), media_type=JSON)
+        if path != "/invocations" or request.method != "POST":
+            return _error(404, f"{request.method} {request.url.path}: this server answers "
+                               "POST /invocations and GET /ping, /health, /version")
+        # Read the whole body even when it is too large: a reply before the client finished
+        # sending makes Serve's proxy reset the connection instead of delivering the 400.
+        body = await request.body()
+        loaded = self._loaded
+        try:
+            if loaded.expected is None:
+                return await self._predict_other(loaded, body)
+            parsed = parse_request(body, loaded.expected, self._options.max_request_bytes)
+        except InputError as exc:
+            self._bad_requests.inc(1, self._tags)
+            return _error(400, str(exc))
+        if self._max_batch_size > 1:
+            predictions, version = await self._predict_batch(parsed)
+        else:
+            predictions = await asyncio.get_running_loop().run_in_executor(
+                self._executor, loaded.predict, parsed.rows)
+            version = loaded.version
+        return Response(predictions_json(predictions, parsed.form), media_type=JSON,
+                        headers={VERSION_HEADER: version})
+
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    async def _predict_batch(self, requests: list[Parsed]) -> list[tuple[np.ndarray, str]]:
+        """Predict the rows of every queued request in one call; each gets its own rows back."""
+        loaded = self._loaded
+        rows = np.concatenate([r.rows for r in requests])
+        predictions = await asyncio.get_running_loop().run_in_executor(
+            self._executor, loaded.predict, rows)
+        ends = np.cumsum([len(r.rows) for r in requests])
+        return [(part, loaded.version) for part in np.split(predictions, ends[:-1])]
+
+    async def _predict_other(self, loaded: LoadedModel, body: bytes) -> Response:
+        """A model without a 2-D tensor signature: MLflow's own parsing and schema checks."""
+        from mlflow.exceptions import MlflowException
+        from mlflow.pyfunc.scoring_server import infer_and_parse_data, predictions_to_json
+        from starlette.responses import Response
+
+        try:
+            data = infer_and_parse_data(json.loads(body or b"null"),
+                                        loaded.model.metadata.get_input_schema())
+            predictions = await asyncio.get_running_loop().run_in_executor(
+                self._executor, loaded.model.predict, data)
+        except (json.JSONDecodeError, UnicodeDecodeError, MlflowException) as exc:
+            self._bad_requests.inc(1, self._tags)
+            message = exc.message if isinstance(exc, MlflowException) else str(exc)
+            return _error(400, str(message).splitlines()[0])
+        out: list[str] = []
+        predictions_to_json(predictions, _Sink(out))
+        return Response("".join(out), media_type=JSON,
+                        headers={VERSION_HEADER: loaded.version})
+
+    def _follow(self) -> None:
+        """Poll the alias; load, check and swap in each new version it points to."""
+        while not self._stop.wait(self._options.poll_interval_s):
+            try:
+                ref = resolve_model_uri(self._options.model_uri, self._settings.tracking.uri)
+            except Exception as exc:
+                # The registry is down or the alias was deleted: keep serving what we have.
+                logger.warning("cannot resolve %s (%s); still serving version %s",
+                               self._options.model_uri, exc, self._loaded.version)
+                continue
+            if ref.version == self._loaded.ref.version or ref.version in self._rejected:
+                continue
+            self._switch(ref)
+
+    def _switch(self, ref: ModelRef) -> None:
+        started = time.perf_counter()
+        previous = self._loaded
+        try:
+            self._loaded = load(ref, self._settings)
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            self._rejected[str(ref.version)] = reason
+            self._updates.inc(1, {**self._tags, "outcome": "rejected"})
+            logger.error("%s moved to version %s, which failed its health check (%s); still "
+                         "serving version %s", self._options.model_uri, ref.version, reason,
+                         previous.version)
+            return
+        self._updates.inc(1, {**self._tags, "outcome": "switched"})
+        self._publish_version()
+        logger.info("%s: switched from version %s to %s in %.1f s", self._options.model_uri,
+                    previous.version, ref.version, time.perf_counter() - started)
+
+    def _publish_version(self) -> None:
+        version = self._loaded.ref.version
+        self._version_gauge.set(float(version) if version else 0.0, self._tags)
+
+    def __del__(self) -> None:
+        self._stop.set()
+
+
+class _Sink:
+    """The writable MLflow's ``predictions_to_json`` writes to."""
+
+    def __init__(self, parts: list[str]) -> None:
+        self._parts = parts
+
+    def write(self, text: str) -> None:
+        self._parts.append(text)
+
+
+def _error(status: int, message: str) -> Response:
+    """MLflow's scoring server's error body: ``{"error_code": ..., "message": ...}``."""
+    from starlette.responses import Response
+
+    code = "BAD_REQUEST" if status == 400 else "NOT_FOUND"
+    return Response(json.dumps({"error_code": code, "message": message}), status_code=status,
+                    media_type=JSON)

@@ -1,0 +1,367 @@
+"""Serving on real Ray Serve from the real MLflow registry, asserted over real HTTP.
+
+The module trains the digits job once on the session's cluster with ``register_as`` (what
+``raydeck demo --register-as`` and the jobs' ``--register-as`` call), then deploys it with the
+``raydeck serve`` command in a subprocess, as a user would, on 2 replicas (preset cpu-2) that
+check their alias every second. Serve is shut down at the end of the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.fixtures.processes import free_port, wait_until
+from tests.fixtures.prometheus import DASHBOARDS_DIR, PrometheusServer
+
+CLI_TIMEOUT_S = 240
+REQUESTS = 1000
+FORMATS = ("dataframe_split", "dataframe_records", "instances", "inputs")
+
+
+@dataclass(frozen=True)
+class Served:
+    name: str
+    run_id: str
+    val_accuracy: float
+    url: str
+    env: dict[str, str]
+
+    @property
+    def invocations(self) -> str:
+        return f"{self.url}/invocations"
+
+
+def _cli(*args: str, env: dict[str, str], timeout: float = CLI_TIMEOUT_S
+         ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "raydeck.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _body(form: str, rows: np.ndarray) -> bytes:
+    values = rows.tolist()
+    columns = [f"pixel_{i}" for i in range(rows.shape[1])]
+    payload: Any = {
+        "dataframe_split": {"columns": columns, "data": values},
+        "dataframe_records": [dict(zip(columns, row, strict=True)) for row in values],
+        "instances": values,
+        "inputs": values,
+    }[form]
+    return json.dumps({form: payload}).encode()
+
+
+def _post(url: str, body: bytes, timeout: float = 30) -> tuple[int, dict[str, str], Any]:
+    request = urllib.request.Request(url, data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, dict(answer.headers), json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, dict(error.headers), json.loads(error.read() or b"null")
+
+
+def _label(form: str, prediction: Any) -> int:
+    """The class of one prediction, written as MLflow writes it for ``form``."""
+    if form.startswith("dataframe"):
+        return int(np.argmax([prediction[str(i)] for i in range(len(prediction))]))
+    return int(np.argmax(prediction))
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster: None, raydeck_env: dict[str, str], mlflow_client: Any,
+           prometheus: PrometheusServer) -> Iterator[Served]:
+    import ray
+    from ray import serve
+
+    from raydeck.examples.digits import run_digits
+    from raydeck.models import promote
+
+    name = f"digits-{uuid.uuid4().hex[:6]}"
+    run = run_digits(preset="cpu-2", config={"epochs": 8}, run_name="served",
+                     register_as=name)
+    assert run.registered_model_uri == f"models:/{name}/1"
+    promote(mlflow_client.tracking_uri, name, "1", "champion")
+    port = free_port()
+    env = {**os.environ, "RAYDECK_RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+           "COLUMNS": "200"}
+    try:
+        deployed = _cli("serve", f"models:/{name}@champion", "--preset", "cpu-2", "--port",
+                        str(port), "--poll-interval", "1", env=env)
+        assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+        url = f"http://127.0.0.1:{port}"
+        assert f"{url}/invocations" in deployed.stdout and "version 1" in deployed.stdout
+        yield Served(name, run.run_id, run.val_accuracy, url, env)
+    finally:
+        serve.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_registered_model_is_self_contained_and_points_to_its_run(
+        served: Served, mlflow_client: Any) -> None:
+    import mlflow
+
+    from raydeck.examples.digits import raw_split
+
+    version = mlflow_client.get_model_version(served.name, "1")
+    run = mlflow_client.get_run(served.run_id)
+    assert version.tags["raydeck.run_id"] == served.run_id
+    assert version.tags["raydeck.git_commit"] == run.data.tags["mlflow.source.git.commit"]
+    assert float(version.tags["raydeck.metric.val_accuracy"]) == pytest.approx(
+        served.val_accuracy)
+    # Only MLflow's API and raw pixels: the job's scaling is inside the model.
+    mlflow.set_tracking_uri(mlflow_client.tracking_uri)
+    model = mlflow.pyfunc.load_model(f"models:/{served.name}@champion")
+    assert str(model.metadata.get_input_schema()) == "[Tensor('float64', (-1, 64))]"
+    _, _, x_val, y_val = raw_split(0)
+    accuracy = (np.asarray(model.predict(x_val)).argmax(axis=1) == y_val).mean()
+    assert accuracy == pytest.approx(served.val_accuracy, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_models_cli_lists_shows_and_promotes(served: Served) -> None:
+    listed = _cli("models", "list", env=served.env)
+    assert listed.returncode == 0, listed.stderr
+    row = next(line for line in listed.stdout.splitlines() if served.name in line)
+    assert "@champion -> 1" in row
+    shown = _cli("models", "show", served.name, env=served.env)
+    assert shown.returncode == 0, shown.stderr
+    assert served.run_id in shown.stdout and "val_accuracy" in shown.stdout
+    missing = _cli("models", "promote", served.name, "99", env=served.env)
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1
+    assert "does not exist" in missing.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_thousand_requests_in_every_format_score_like_the_run(served: Served) -> None:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = digits.data[:REQUESTS], digits.target[:REQUESTS]
+
+    def one(index: int) -> tuple[str, int, int]:
+        form = FORMATS[index % len(FORMATS)]
+        status, headers, answer = _post(served.invocations, _body(form, x[index:index + 1]))
+        assert status == 200, answer
+        assert headers["x-raydeck-model-version"] == "1"
+        return form, _label(form, answer["predictions"][0]), int(y[index])
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(REQUESTS)))
+    assert len(results) == REQUESTS
+    for form in FORMATS:
+        hits = [predicted == truth for f, predicted, truth in results if f == form]
+        assert len(hits) == REQUESTS // len(FORMATS)
+        assert np.mean(hits) >= 0.95, form
+    # A batch of rows in one request answers row by row, in order.
+    status, _, answer = _post(served.invocations, _body("inputs", x[:50]))
+    assert status == 200 and len(answer["predictions"]) == 50
+    assert [int(np.argmax(p)) for p in answer["predictions"]] == [r[1] for r in results[:50]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_readmes_curl_example_is_answered_with_its_digit(served: Served) -> None:
+    import re
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    body = re.search(r"curl -s http://127.0.0.1:8000/invocations .*?-d '(.*?)'", readme, re.S)
+    assert body, "README's Serving section lost its curl example"
+    status, _, answer = _post(served.invocations, body.group(1).encode())
+    assert status == 200 and int(np.argmax(answer["predictions"][0])) == 0  # load_digits()[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bad_inputs_get_a_400_naming_the_problem_and_the_server_keeps_serving(
+        served: Served) -> None:
+    row = [0.0] * 64
+    cases = {
+        "not JSON": (b"{not json", "not valid JSON"),
+        "empty body": (b"", "empty request body"),
+        "wrong width": (json.dumps({"inputs": [[1.0, 2.0, 3.0]]}).encode(),
+                        "row 0 has 3 values; expected rows of 64 numbers"),
+        "strings": (json.dumps({"instances": [["a"] * 64]}).encode(),
+                    "row 0, column 0 is 'a' (str)"),
+        "no known key": (json.dumps({"rows": [row]}).encode(), "needs exactly one of"),
+        "10 MB body": (json.dumps({"inputs": [row] * 40_000}).encode(),
+                       "the limit is 8.4 MB (max_request_bytes)"),
+        "ragged records": (json.dumps({"dataframe_records": [{"a": 1}, {"b": 2}]}).encode(),
+                           "same columns"),
+    }
+    for what, (body, message) in cases.items():
+        status, _, answer = _post(served.invocations, body)
+        assert status == 400, (what, status, answer)
+        assert answer["error_code"] == "BAD_REQUEST" and message in answer["message"], (
+            what, answer)
+        assert "Tensor('float64', (-1, 64))" in answer["message"] or what in (
+            "not JSON", "empty body", "no known key", "10 MB body", "ragged records"), (
+            what, answer)
+        ok, _, good = _post(served.invocations, json.dumps({"inputs": [row]}).encode())
+        assert ok == 200 and len(good["predictions"]) == 1, what
+    with urllib.request.urlopen(f"{served.url}/ping", timeout=10) as ping:
+        assert ping.status == 200
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_moving_the_alias_switches_every_replica_without_a_failed_request_and_a_broken_version_is_rolled_back(  # noqa: E501
+        served: Served, mlflow_client: Any) -> None:
+    from raydeck.models import promote, register_run_model
+
+    uri = mlflow_client.tracking_uri
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+    body = json.dumps({"inputs": [[0.0] * 64]}).encode()
+
+    def client() -> None:
+        while not stop.is_set():
+            status, headers, _ = _post(served.invocations, body)
+            answers.append((status, headers.get("x-raydeck-model-version", "")))
+
+    def last_versions(count: int) -> set[str]:
+        return {version for _, version in answers[-count:]}
+
+    sender = threading.Thread(target=client, daemon=True)
+    sender.start()
+    try:
+        wait_until(lambda: len(answers) >= 20, 60, "the client's first answers")
+        two = register_run_model(uri, served.run_id, served.name, "val_accuracy")
+        promote(uri, served.name, str(two.version), "champion")
+        # Both replicas answer (Serve balances between them): 40 answers in a row from "2".
+        wait_until(lambda: len(answers) > 40 and last_versions(40) == {"2"}, 90,
+                   "every replica to answer with version 2")
+
+        broken = _register_corrupt_version(mlflow_client, served)
+        promote(uri, served.name, broken, "champion")
+        wait_until(lambda: _rejected_everywhere(served, broken), 90,
+                   "both replicas to reject the broken version")
+        settled = len(answers)
+        wait_until(lambda: len(answers) > settled + 40, 60, "answers after the rejection")
+        assert last_versions(len(answers) - settled) == {"2"}
+    finally:
+        stop.set()
+        sender.join(timeout=60)
+    failed = [status for status, _ in answers if status != 200]
+    assert not failed, f"{len(failed)} of {len(answers)} requests failed"
+    print(f"\nalias switch: {len(answers)} requests during two alias moves, 0 failed")
+
+    status = _cli("serve", "status", env=served.env)
+    assert status.returncode == 0, status.stderr
+    row = next(line for line in status.stdout.splitlines() if served.name in line)
+    assert "RUNNING" in row and f"v{broken}" in status.stdout
+
+
+def _register_corrupt_version(mlflow_client: Any, served: Served) -> str:
+    """A new version whose weights file is garbage, as a half-uploaded artifact would be."""
+    from raydeck.models import register_run_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(mlflow_client.download_artifacts(served.run_id, "model", tmp))
+        for weights in local.rglob("*.pth"):
+            weights.write_bytes(b"not a torch file")
+        experiment = mlflow_client.get_run(served.run_id).info.experiment_id
+        run_id = mlflow_client.create_run(experiment, run_name="corrupt").info.run_id
+        mlflow_client.log_artifacts(run_id, str(local), "model")
+        mlflow_client.set_terminated(run_id)
+    ref = register_run_model(mlflow_client.tracking_uri, run_id, served.name)
+    assert ref.version is not None
+    return ref.version
+
+
+def _rejected_everywhere(served: Served, version: str) -> bool:
+    from ray import serve
+
+    handle = serve.get_app_handle(served.name)
+    seen = [handle.describe.remote().result(timeout_s=10) for _ in range(8)]
+    return all(version in state["rejected"] and state["version"] == "2" for state in seen)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_missing_model_exits_2_with_one_line_and_deploys_nothing(served: Served) -> None:
+    from ray import serve
+
+    for uri in (f"models:/{served.name}@nobody", f"models:/{served.name}/99",
+                "models:/never-registered/1", f"runs:/{uuid.uuid4().hex}/model",
+                "s3://bucket/model"):
+        answer = _cli("serve", uri, "--name", "must-not-exist", env=served.env)
+        assert answer.returncode == 2, (uri, answer.stdout, answer.stderr)
+        lines = answer.stderr.strip().splitlines()
+        assert len(lines) == 1 and uri in lines[0], (uri, answer.stderr)
+    assert "must-not-exist" not in serve.status().applications
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_config_out_writes_a_serve_config_that_ray_accepts_without_secrets(
+        served: Served, tmp_path: Path) -> None:
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from raydeck.serving.app import app_builder
+
+    target = tmp_path / "serve.yaml"
+    answer = _cli("serve", f"models:/{served.name}@champion", "--config-out", str(target),
+                  "--preset", "cpu-2", "--autoscale", "1:3", "--host", "0.0.0.0", env=served.env)
+    assert answer.returncode == 0, answer.stderr
+    config = yaml.safe_load(target.read_text())
+    ServeDeploySchema.model_validate(config)
+    application = config["applications"][0]
+    assert application["import_path"] == "raydeck.serving.app:app_builder"
+    deployment = application["deployments"][0]
+    assert deployment["autoscaling_config"]["max_replicas"] == 3
+    assert deployment["ray_actor_options"] == {"num_cpus": 1.0}
+    assert "tracking" not in target.read_text().lower()
+    app_builder(application["args"])  # what `serve deploy` imports and calls
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_serving_dashboard_has_data_for_every_panel(
+        served: Served, prometheus: PrometheusServer) -> None:
+    from raydeck.observability.dashboards import check, load_dashboards
+
+    dashboard = [d for d in load_dashboards(DASHBOARDS_DIR) if d.uid == "raydeck-serving"]
+    started = time.time()
+    body = json.dumps({"inputs": [[0.0] * 64]}).encode()
+
+    def every_panel_has_data() -> bool:
+        _post(served.invocations, body)
+        _post(served.invocations, b"not json")
+        results = check(dashboard, prometheus.client, range_s=time.time() - started + 60,
+                        rate_interval_s=30)
+        assert not [r.error for r in results if r.error]
+        return not [r for r in results if not r.series]
+
+    wait_until(every_panel_has_data, 120, "every Serving panel to have data", interval_s=2)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_stop_deletes_the_application(served: Served) -> None:
+    from ray import serve
+
+    stopped = _cli("serve", "--stop", "--name", served.name, env=served.env)
+    assert stopped.returncode == 0, stopped.stderr
+    assert served.name not in serve.status().applications
+    again = _cli("serve", "--stop", "--name", served.name, env=served.env)
+    assert again.returncode == 2 and "no Serve application" in again.stderr
