@@ -12,7 +12,8 @@ A client (asyncio + aiohttp, in this process) keeps ``--clients`` requests in fl
 every answer that is not 200 as an error. The client shares the machine's cores with the
 servers, the same for every server. Printed: one row per server and concurrency (for raydeck
 serve with where a request's time went: mean time at Serve's proxy and in the replica, from
-Serve's own latency histograms), then the ratios raydeck/mlflow.
+Serve's own latency histograms), the ratios raydeck/mlflow, and Serve's own floor: the p50
+of bare deployments that return at once or only read the request body.
 
 Run: ``.venv/bin/python benchmarks/serving.py`` (about 3 minutes on 2 cores).
 """
@@ -31,6 +32,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -177,6 +179,42 @@ def exported(metrics_port: int, requests: float) -> dict[str, tuple[float, float
         time.sleep(0.5)
 
 
+def serve_floor(port: int, body: bytes, requests: int = 300) -> dict[str, float]:
+    """p50 ms of Ray Serve's own request path: deployments that return at once, and that
+    only read the request body (Serve's replica fetches it from the proxy with a Ray call)."""
+    from ray import serve
+    from starlette.requests import Request
+    from starlette.responses import Response
+
+    @serve.deployment
+    class ReturnAtOnce:
+        async def __call__(self, request: Request) -> Response:
+            return Response(b"{}")
+
+    @serve.deployment
+    class ReadBody:
+        async def __call__(self, request: Request) -> Response:
+            await request.body()
+            return Response(b"{}")
+
+    floors = {}
+    deployments: tuple[tuple[str, Any], ...] = (("return at once", ReturnAtOnce),
+                                                 ("read the body", ReadBody))
+    for name, deployment in deployments:
+        route = "/floor-" + name.replace(" ", "-")
+        serve.run(deployment.bind(), name=route.strip("/"), route_prefix=route)
+        latencies = []
+        for _ in range(requests):
+            started = time.perf_counter()
+            request = urllib.request.Request(f"http://127.0.0.1:{port}{route}", data=body)
+            with urllib.request.urlopen(request, timeout=30) as answer:
+                answer.read()
+            latencies.append(time.perf_counter() - started)
+        floors[name] = float(np.percentile(np.asarray(latencies[requests // 10:]) * 1000, 50))
+        serve.delete(route.strip("/"))
+    return floors
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
@@ -240,6 +278,7 @@ def main() -> None:
             deploy(options, settings)
             points += measure(label, f"{options.url}/invocations", args, body, metrics_port)
             serve.delete(options.name)
+        floors = serve_floor(serve_port, body)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -254,9 +293,10 @@ def main() -> None:
         print(f"  {point.server:<28} {point.clients:>3} clients  throughput x"
               f"{point.requests_per_s / base.requests_per_s:5.2f}  p99 x"
               f"{point.p99_ms / base.p99_ms:5.2f}")
-    print(f"\nthe model alone predicts one row in {predict_ms:.2f} ms (in process); the rest of "
-          "a request's time is HTTP, Serve's proxy (the `proxy` mean, end to end inside Ray) "
-          "and the replica (`replica`: parsing, batch wait, queueing, the model)")
+    print(f"\nwhere the time goes: the model alone predicts one row in {predict_ms:.2f} ms (in "
+          "process); Ray Serve's own request path, one client, p50: "
+          + ", ".join(f"a deployment that {k} {v:.1f} ms" for k, v in floors.items())
+          + "; the rest is the replica's parsing, batch wait and queueing (`replica` above)")
 
 
 if __name__ == "__main__":

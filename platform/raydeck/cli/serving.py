@@ -73,6 +73,7 @@ def serve(
         poll_interval_s=poll_interval, max_request_bytes=max_request_bytes,
         route_prefix=route_prefix, host=host, port=port,
     )
+    options.deployment_options(settings)  # an unknown preset fails before MLflow or Ray
     if config_out is not None:
         _write_config(options, config_out)
         return

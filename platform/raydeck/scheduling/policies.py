@@ -1,0 +1,288 @@
+"""Scheduling policies for a shared cluster, as small objects with one interface.
+
+Owns: :class:`Policy` (given the queue, the running jobs, the free and total resources and the
+time, say which queued jobs start now) and the policies: :class:`Fifo`, :class:`PriorityAging`,
+:class:`ShortestJobFirst`, :class:`FairShare` (decayed usage, weights, per-team quotas) and
+:class:`Backfill` (EASY backfill over any of them). The same objects drive the simulator
+(:mod:`raydeck.scheduling.simulator`), so what a trace replay says is what the policy does.
+
+Contract: a policy never starts a job that does not fit the free resources, and it never
+starts jobs past the first one it orders but cannot start, except where the policy says so
+(backfill, a team over its quota): so a large job at the head is not starved by a stream of
+small ones. Aging bounds every wait: a job queued longer than ``aging_s`` goes ahead of every
+job that has waited less.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from raydeck.errors import ConfigError
+
+DEFAULT_AGING_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Resources:
+    """CPUs and GPUs (GPUs may be fractional, as in the fractional presets)."""
+
+    cpus: float = 0.0
+    gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("cpus", "gpus"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ConfigError(f"{name}={value}: must be a finite number >= 0")
+
+    def fits(self, need: Resources) -> bool:
+        return need.cpus <= self.cpus + 1e-9 and need.gpus <= self.gpus + 1e-9
+
+    def __add__(self, other: Resources) -> Resources:
+        return Resources(self.cpus + other.cpus, self.gpus + other.gpus)
+
+    def __sub__(self, other: Resources) -> Resources:
+        return Resources(max(self.cpus - other.cpus, 0.0), max(self.gpus - other.gpus, 0.0))
+
+    def weight(self) -> float:
+        """One number for usage accounting: GPUs dominate (a GPU counts as 8 CPUs)."""
+        return self.gpus * 8 + self.cpus
+
+
+@dataclass(frozen=True)
+class QueuedJob:
+    """A job waiting to start."""
+
+    id: str
+    team: str
+    priority: int
+    needs: Resources
+    submitted_s: float
+    estimate_s: float
+
+    def waited(self, now: float) -> float:
+        return now - self.submitted_s
+
+
+@dataclass(frozen=True)
+class RunningJob:
+    """A job that holds resources until it ends (expected: start + estimate)."""
+
+    job: QueuedJob
+    started_s: float
+
+    @property
+    def expected_end_s(self) -> float:
+        return self.started_s + self.job.estimate_s
+
+
+class Policy(abc.ABC):
+    """Decides which queued jobs start now. Subclasses give the order (and may override
+    :meth:`decide`)."""
+
+    name: str = ""
+
+    def __init__(self, aging_s: float = DEFAULT_AGING_S) -> None:
+        if not aging_s > 0:
+            raise ConfigError(f"aging_s={aging_s}: must be > 0")
+        self.aging_s = aging_s
+
+    @abc.abstractmethod
+    def key(self, job: QueuedJob, running: Sequence[RunningJob], now: float) -> tuple[float, ...]:
+        """Sort key of a queued job: lower starts first (before aging)."""
+
+    def order(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
+              now: float) -> list[QueuedJob]:
+        """The queue in start order: aged jobs first (oldest first), then by :meth:`key`."""
+        aged = sorted((j for j in queue if j.waited(now) >= self.aging_s),
+                      key=lambda j: (j.submitted_s, j.id))
+        rest = sorted((j for j in queue if j.waited(now) < self.aging_s),
+                      key=lambda j: (*self.key(j, running, now), j.submitted_s, j.id))
+        return aged + rest
+
+    def allowed(self, job: QueuedJob, running: Sequence[RunningJob]) -> bool:
+        """Whether policy rules other than capacity let ``job`` start (quotas)."""
+        return True
+
+    def ended(self, job: RunningJob, now: float) -> None:
+        """A job released its resources at ``now`` (fair share charges its team)."""
+        return None
+
+    def decide(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
+               free: Resources, total: Resources, now: float) -> list[QueuedJob]:
+        """Jobs to start now, in order: as many of the ordered queue as fit, up to the first
+        that does not (jobs a quota holds back are skipped, not blocking)."""
+        started: list[QueuedJob] = []
+        running = list(running)
+        for job in self.order(queue, running, now):
+            if not self.allowed(job, running):
+                continue
+            if not free.fits(job.needs):
+                break
+            started.append(job)
+            running.append(RunningJob(job, now))
+            free = free - job.needs
+        return started
+
+
+class Fifo(Policy):
+    """First come, first served, with head-of-line blocking (what Ray's job server does)."""
+
+    name = "fifo"
+
+    def key(self, job: QueuedJob, running: Sequence[RunningJob], now: float) -> tuple[float, ...]:
+        return (job.submitted_s,)
+
+
+class PriorityAging(Policy):
+    """Higher priority first; a job's priority grows by one per ``aging_s / 4`` waited, and a
+    job waiting ``aging_s`` goes first, so nothing starves."""
+
+    name = "priority"
+
+    def key(self, job: QueuedJob, running: Sequence[RunningJob], now: float) -> tuple[float, ...]:
+        return (-(job.priority + 4 * job.waited(now) / self.aging_s),)
+
+
+class ShortestJobFirst(Policy):
+    """Shortest predicted duration first (the PAI study's SJF on predicted durations)."""
+
+    name = "sjf"
+
+    def key(self, job: QueuedJob, running: Sequence[RunningJob], now: float) -> tuple[float, ...]:
+        return (job.estimate_s,)
+
+
+@dataclass
+class _Usage:
+    value: float = 0.0
+    at_s: float = 0.0
+
+
+class FairShare(Policy):
+    """The team with the least decayed usage per weight goes first; per-team quotas hold.
+
+    Usage is resource-seconds (:meth:`Resources.weight`), decayed with ``half_life_s``, plus
+    what the team's running jobs have used so far; :meth:`ended` charges a job that ends.
+    """
+
+    name = "fairshare"
+
+    def __init__(self, weights: Mapping[str, float] | None = None,
+                 quotas: Mapping[str, Resources] | None = None, half_life_s: float = 3600.0,
+                 aging_s: float = DEFAULT_AGING_S) -> None:
+        super().__init__(aging_s)
+        for team, weight in (weights or {}).items():
+            if not weight > 0:
+                raise ConfigError(f"weight of team {team!r} = {weight}: must be > 0")
+        if not half_life_s > 0:
+            raise ConfigError(f"half_life_s={half_life_s}: must be > 0")
+        self.weights = dict(weights or {})
+        self.quotas = dict(quotas or {})
+        self.half_life_s = half_life_s
+        self._usage: dict[str, _Usage] = {}
+
+    def usage(self, team: str, now: float) -> float:
+        entry = self._usage.setdefault(team, _Usage(0.0, now))
+        return entry.value * 0.5 ** ((now - entry.at_s) / self.half_life_s)
+
+    def ended(self, job: RunningJob, now: float) -> None:
+        """Charge the job's resource-seconds to its team."""
+        team = job.job.team
+        amount = job.job.needs.weight() * (now - job.started_s)
+        self._usage[team] = _Usage(self.usage(team, now) + amount, now)
+
+    def key(self, job: QueuedJob, running: Sequence[RunningJob], now: float) -> tuple[float, ...]:
+        held = sum(r.job.needs.weight() * (now - r.started_s) for r in running
+                   if r.job.team == job.team)
+        return ((self.usage(job.team, now) + held) / self.weights.get(job.team, 1.0),)
+
+    def allowed(self, job: QueuedJob, running: Sequence[RunningJob]) -> bool:
+        quota = self.quotas.get(job.team)
+        if quota is None:
+            return True
+        used = Resources()
+        for other in running:
+            if other.job.team == job.team:
+                used = used + other.job.needs
+        return quota.fits(used + job.needs)
+
+
+class Backfill(Policy):
+    """EASY backfill over ``base``: start in ``base``'s order; when the head does not fit,
+    reserve the earliest time it will (from running jobs' expected ends) and start later jobs
+    only if they end before that reservation or fit beside it."""
+
+    def __init__(self, base: Policy | None = None) -> None:
+        self.base = base or Fifo()
+        super().__init__(self.base.aging_s)
+        self.name = f"backfill-{self.base.name}"
+
+    def key(self, job: QueuedJob, running: Sequence[RunningJob], now: float) -> tuple[float, ...]:
+        return self.base.key(job, running, now)
+
+    def allowed(self, job: QueuedJob, running: Sequence[RunningJob]) -> bool:
+        return self.base.allowed(job, running)
+
+    def ended(self, job: RunningJob, now: float) -> None:
+        self.base.ended(job, now)
+
+    def decide(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
+               free: Resources, total: Resources, now: float) -> list[QueuedJob]:
+        ordered = self.base.order(queue, running, now)
+        started = self.base.decide(ordered, running, free, total, now)
+        now_running = [*running, *(RunningJob(j, now) for j in started)]
+        for job in started:
+            free = free - job.needs
+        waiting = [j for j in ordered if j not in started and self.allowed(j, now_running)]
+        if not waiting:
+            return started
+        head = waiting[0]
+        shadow_s, spare = _reservation(head, now_running, free, now)
+        for job in waiting[1:]:
+            if not (self.allowed(job, now_running) and free.fits(job.needs)):
+                continue
+            ends_before = now + job.estimate_s <= shadow_s
+            if ends_before or spare.fits(job.needs):
+                started.append(job)
+                now_running.append(RunningJob(job, now))
+                free = free - job.needs
+                if not ends_before:
+                    spare = spare - job.needs
+        return started
+
+
+def _reservation(head: QueuedJob, running: Sequence[RunningJob], free: Resources,
+                 now: float) -> tuple[float, Resources]:
+    """When ``head`` can start (running jobs ending as expected) and what is spare then."""
+    available = free
+    for job in sorted(running, key=lambda r: r.expected_end_s):
+        if available.fits(head.needs):
+            break
+        available = available + job.job.needs
+        now = max(now, job.expected_end_s)
+    return now, available - head.needs
+
+
+POLICIES = ("fifo", "priority", "sjf", "fairshare", "backfill")
+
+
+def make_policy(name: str, aging_s: float = DEFAULT_AGING_S) -> Policy:
+    """A policy by name (``raydeck queue --policy``, the simulator's ``--policy``).
+
+    Raises:
+        ConfigError: an unknown name, listing the known ones.
+    """
+    makers = {"fifo": Fifo, "priority": PriorityAging, "sjf": ShortestJobFirst,
+              "fairshare": FairShare}
+    if name == "backfill":
+        return Backfill(Fifo(aging_s))
+    if name.startswith("backfill-") and name.removeprefix("backfill-") in makers:
+        return Backfill(makers[name.removeprefix("backfill-")](aging_s=aging_s))
+    if name not in makers:
+        raise ConfigError(f"policy {name!r} is not one of {', '.join(POLICIES)} "
+                          "(or backfill-<policy>)")
+    return makers[name](aging_s=aging_s)
