@@ -69,11 +69,11 @@ def test_render_is_deterministic(tmp_path: Path) -> None:
     assert first == {p.relative_to(copy): t for p, t in rendered_files(copy).items()}
 
 
-def test_the_five_dashboards_exist_with_unique_uids_and_panel_ids() -> None:
+def test_the_six_dashboards_exist_with_unique_uids_and_panel_ids() -> None:
     dashboards = _committed_dashboards()
     assert {d["uid"] for d in dashboards} == {
         "raydeck-cluster-health", "raydeck-training", "raydeck-tracking-proxy", "raydeck-sweeps",
-        "raydeck-serving"}
+        "raydeck-serving", "raydeck-queue"}
     for dashboard in dashboards:
         assert set(dashboard) >= REQUIRED_DASHBOARD_KEYS, dashboard["uid"]
         ids = [p["id"] for p in dashboard["panels"]]

@@ -339,6 +339,7 @@ def test_config_out_writes_a_serve_config_that_ray_accepts_without_secrets(
 def test_the_serving_dashboard_has_data_for_every_panel(
         served: Served, prometheus: PrometheusServer) -> None:
     from raydeck.observability.dashboards import check, load_dashboards
+    from raydeck.observability.metrics import METRICS
 
     dashboard = [d for d in load_dashboards(DASHBOARDS_DIR) if d.uid == "raydeck-serving"]
     started = time.time()
@@ -353,6 +354,8 @@ def test_the_serving_dashboard_has_data_for_every_panel(
         return not [r for r in results if not r.series]
 
     wait_until(every_panel_has_data, 120, "every Serving panel to have data", interval_s=2)
+    serving = [m for m in METRICS if m.name.startswith("raydeck_serving_")]
+    assert not prometheus.unexported(serving, time.time() - started + 60)
 
 
 @pytest.mark.slow
@@ -365,3 +368,45 @@ def test_stop_deletes_the_application(served: Served) -> None:
     assert served.name not in serve.status().applications
     again = _cli("serve", "--stop", "--name", served.name, env=served.env)
     assert again.returncode == 2 and "no Serve application" in again.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_serve_deploy_runs_the_written_config_on_a_cluster_of_its_own(
+        served: Served, tmp_path: Path, raydeck_env: dict[str, str]) -> None:
+    """What README says for clusters: --config-out, then Ray's own `serve deploy`; replicas
+    read the tracking URI from their node's environment (the config holds none)."""
+    from tests.conftest import TEST_ENV
+    from tests.fixtures.ray_head import RayHead
+
+    venv_bin = Path(sys.executable).parent
+    env = {**{k: v for k, v in os.environ.items()
+              if not k.startswith(("RAYDECK_", "RAY_", "MLFLOW_"))},
+           **{k: v for k, v in TEST_ENV.items() if k != "RAY_AUTH_MODE"},
+           "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
+           "RAYDECK_TRACKING_URI": raydeck_env["RAYDECK_TRACKING_URI"],
+           "RAYDECK_DATA_DIR": str(tmp_path / "data")}
+    head = RayHead(tmp_path / "head", env).start()
+    try:
+        port = free_port()
+        config = tmp_path / "serve.yaml"
+        written = _cli("serve", f"models:/{served.name}/1", "--name", "from-config",
+                       "--port", str(port), "--config-out", str(config), env=served.env)
+        assert written.returncode == 0, written.stderr
+        deployed = subprocess.run(
+            [str(venv_bin / "serve"), "deploy", str(config), "--address", head.address],
+            env={**env, **head.client_env}, capture_output=True, text=True, timeout=120)
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        row = [[0.0] * 64]
+        url = f"http://127.0.0.1:{port}/invocations"
+
+        def answers() -> bool:
+            try:
+                status, headers, _ = _post(url, json.dumps({"inputs": row}).encode(), 5)
+            except OSError:
+                return False
+            return status == 200 and headers.get("x-raydeck-model-version") == "1"
+
+        wait_until(answers, 240, "the config-deployed application to answer", interval_s=1)
+    finally:
+        head.stop()

@@ -466,15 +466,24 @@ def check_job_file(job_file: str, runtime_env: Mapping[str, Any]) -> None:
                           f"{working_dir}; pass it relative to that directory")
 
 
-def submit_job(client: JobSubmissionClient, request: JobRequest) -> str:
-    """Submit the job; returns its submission id (``raydeck-<run id>``)."""
+def submitted_runtime_env(request: JobRequest) -> dict[str, Any]:
+    """The runtime env a job is submitted with: the request's, plus its run id."""
     runtime_env = dict(request.runtime_env)
     runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), RUN_ID_ENV: request.run_id}
+    return runtime_env
+
+
+def submitted_metadata(request: JobRequest) -> dict[str, str]:
+    """The job server metadata ``raydeck jobs`` reads back (kind, run id, preset)."""
+    return {METADATA_KIND: "job", METADATA_RUN_ID: request.run_id,
+            METADATA_PRESET: request.preset}
+
+
+def submit_job(client: JobSubmissionClient, request: JobRequest) -> str:
+    """Submit the job; returns its submission id (``raydeck-<run id>``)."""
     return _submit(
         client, entrypoint=request.entrypoint, submission_id=request.submission_id,
-        runtime_env=runtime_env,
-        metadata={METADATA_KIND: "job", METADATA_RUN_ID: request.run_id,
-                  METADATA_PRESET: request.preset},
+        runtime_env=submitted_runtime_env(request), metadata=submitted_metadata(request),
     )
 
 

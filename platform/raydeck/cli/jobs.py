@@ -5,12 +5,17 @@ from __future__ import annotations
 import datetime
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from raydeck.cli._console import console, err_console, setup_logging
+
+if TYPE_CHECKING:
+    from raydeck.config import Settings
+    from raydeck.jobs import JobRequest, JobServer
 
 DEFAULT_RUNTIME_ENV = "runtime_envs/local.yaml"
 EXIT_JOB_FAILED = 1
@@ -36,6 +41,12 @@ def submit(
     register_as: str = typer.Option(None, "--register-as", metavar="NAME",
                                     help="Once the job succeeds, register the model its run "
                                          "logged (artifact `model`) as a new version of NAME."),
+    queue: bool = typer.Option(False, "--queue", help="Put the job in the cluster's queue "
+                               "(`raydeck queue`) instead of starting it now."),
+    team: str = typer.Option("default", help="With --queue: the team it counts against."),
+    priority: int = typer.Option(0, help="With --queue: higher starts first (>= 0)."),
+    estimate: str = typer.Option(None, help="With --queue: expected duration, e.g. 30m, 2h "
+                                 "(default: predicted from earlier runs of the same job)."),
 ) -> None:
     """Submit a job file with a preset and a runtime env; stream its log; show its MLflow run.
 
@@ -60,6 +71,7 @@ def submit(
         submit_job,
     )
     from raydeck.models import check_model_name, register_run_model
+    from raydeck.observability.prometheus import parse_duration
     from raydeck.redaction import redact_text, redact_url
     from raydeck.scaling import check_feasible, get_preset
 
@@ -69,6 +81,12 @@ def submit(
     name = run_name or Path(job_file).stem.replace("_", "-")
     if run_id is not None and not RUN_KEY_PATTERN.match(run_id):
         raise ConfigError(f"--run-id={run_id!r}: may hold 1-128 letters, digits, _ . - only")
+    if priority < 0:
+        raise ConfigError(f"--priority={priority}: must be >= 0 (higher starts first)")
+    estimate_s = parse_duration(estimate) if estimate is not None else None
+    if queue and register_as is not None:
+        raise ConfigError("--register-as needs the job's end, which a queued submission does "
+                          "not wait for; register later with `raydeck models`")
     if register_as is not None:
         check_model_name(register_as)
         if not wait:
@@ -92,6 +110,9 @@ def submit(
                       soft_wrap=True)
         if not feasibility.runs_now:
             console.print(f"[yellow]{escape(feasibility.message)}[/]")
+    if queue:
+        _enqueue(settings, server, request, team, priority, estimate_s)
+        return
     submission_id = submit_job(client, request)
     console.print(f"submitted [bold]{submission_id}[/] to {shown}: "
                   f"{escape(redact_text(request.entrypoint))}", soft_wrap=True)
@@ -115,10 +136,40 @@ def submit(
         if not run.mlflow_run_id:
             raise ConfigError(f"--register-as {register_as!r}: the job succeeded but its MLflow "
                               "run was not found, so there is no model to register")
+        # The tracking proxy ends the run once all of its data has landed: until then the
+        # metric the version is tagged with may still be on its way.
+        with console.status("waiting for the run's last data to land in MLflow..."):
+            _wait_for_run_end(settings, request.run_id)
         registered = register_run_model(settings.tracking.uri, run.mlflow_run_id, register_as,
                                         "val_accuracy")
         console.print(f"  registered: {registered.uri}  (serve it: raydeck serve "
                       f"{registered.uri})", soft_wrap=True)
+
+
+def _enqueue(settings: Settings, server: JobServer, request: JobRequest, team: str,
+             priority: int, estimate_s: float | None) -> None:
+    from raydeck.scheduling.client import enqueue, job_spec
+
+    spec, package = job_spec(request, settings, team, priority, estimate_s)
+    view = enqueue(settings, server, spec, package)
+    console.print(f"queued [bold]{view.id}[/] for team {view.team}, priority {view.priority}, "
+                  f"expected {view.estimate_s / 60:.0f} min; see `raydeck queue`", soft_wrap=True)
+
+
+def _wait_for_run_end(settings: Settings, run_id: str) -> None:
+    """Poll the run until MLflow shows it ended (or the tracker's finish timeout passes)."""
+    import time
+
+    from raydeck.jobs import find_run
+
+    deadline = time.monotonic() + settings.tracking.finish_timeout_s
+    while time.monotonic() < deadline:
+        if find_run(settings.tracking.uri, settings.tracking.experiment,
+                    run_id).status not in ("RUNNING", "SCHEDULED"):
+            return
+        time.sleep(0.5)
+    logging.getLogger(__name__).warning("run %s still shows RUNNING in MLflow; registering its "
+                                        "model as it is", run_id)
 
 
 def _quiet_logs(level: str) -> None:

@@ -19,6 +19,7 @@ from raydeck.cli import (
     models,
     monitoring,
     presets,
+    queue,
     serving,
     stack,
     status,
@@ -63,6 +64,8 @@ app.command("presets")(presets.presets)
 app.command("submit", context_settings={"allow_extra_args": True,
                                         "ignore_unknown_options": True})(jobs.submit)
 app.command("jobs")(jobs.jobs)
+app.command("queue")(queue.queue)
+app.command("cancel")(queue.cancel)
 app.command("sweep")(sweep.sweep)
 app.command("serve")(serving.serve)
 app.add_typer(models.app, name="models")

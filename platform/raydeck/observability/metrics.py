@@ -196,6 +196,20 @@ SERVING_BAD_REQUESTS = MetricSpec(
     "raydeck_serving_bad_requests", "counter",
     "Requests answered 400 (not JSON, wrong shape or dtype, too large)", _SERVING_LABELS)
 
+QUEUE_WAIT_BUCKETS_S = (1.0, 5.0, 15.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0,
+                        43200.0, 86400.0)
+DURATION_RATIO_BUCKETS = (0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 2.0, 4.0)
+QUEUE_JOBS = MetricSpec(
+    "raydeck_queue_jobs", "gauge", "Jobs of the queue per team in each state (queued, running)",
+    ("team", "state"))
+QUEUE_WAIT = MetricSpec(
+    "raydeck_queue_wait_s", "histogram", "Seconds a job waited in the queue before it started",
+    ("team",), QUEUE_WAIT_BUCKETS_S)
+QUEUE_DURATION_RATIO = MetricSpec(
+    "raydeck_queue_duration_ratio", "histogram",
+    "A finished job's duration over the duration the queue predicted (1: exact)", ("team",),
+    DURATION_RATIO_BUCKETS)
+
 METRICS: tuple[MetricSpec, ...] = (
     TRACKING_POINTS_RECEIVED, TRACKING_POINTS_WRITTEN, TRACKING_WRITE_ERRORS,
     TRACKING_WRITE_LATENCY, TRACKING_QUEUE_DEPTH, TRACKING_SPOOL_BYTES, TRACKING_REPLAY_BACKLOG,
@@ -205,6 +219,7 @@ METRICS: tuple[MetricSpec, ...] = (
     SWEEP_TRIALS, SWEEP_BEST_SCORE,
     STORAGE_OP_LATENCY, STORAGE_OP_ERRORS,
     SERVING_MODEL_VERSION, SERVING_MODEL_UPDATES, SERVING_BAD_REQUESTS,
+    QUEUE_JOBS, QUEUE_WAIT, QUEUE_DURATION_RATIO,
 )
 
 

@@ -6,6 +6,9 @@ time, say which queued jobs start now) and the policies: :class:`Fifo`, :class:`
 :class:`Backfill` (EASY backfill over any of them). The same objects drive the simulator
 (:mod:`raydeck.scheduling.simulator`), so what a trace replay says is what the policy does.
 
+Every policy holds per-team quotas (``quotas``): a job that would take its team over its quota
+waits without blocking other teams' jobs.
+
 Contract: a policy never starts a job that does not fit the free resources, and it never
 starts jobs past the first one it orders but cannot start, except where the policy says so
 (backfill, a team over its quota): so a large job at the head is not starved by a stream of
@@ -27,7 +30,8 @@ DEFAULT_AGING_S = 3600.0
 
 @dataclass(frozen=True)
 class Resources:
-    """CPUs and GPUs (GPUs may be fractional, as in the fractional presets)."""
+    """CPUs and GPUs (GPUs may be fractional, as in the fractional presets; a quota may be
+    infinite in one of them)."""
 
     cpus: float = 0.0
     gpus: float = 0.0
@@ -35,8 +39,8 @@ class Resources:
     def __post_init__(self) -> None:
         for name in ("cpus", "gpus"):
             value = getattr(self, name)
-            if not math.isfinite(value) or value < 0:
-                raise ConfigError(f"{name}={value}: must be a finite number >= 0")
+            if math.isnan(value) or value < 0:
+                raise ConfigError(f"{name}={value}: must be a number >= 0 (inf: no limit)")
 
     def fits(self, need: Resources) -> bool:
         return need.cpus <= self.cpus + 1e-9 and need.gpus <= self.gpus + 1e-9
@@ -46,6 +50,12 @@ class Resources:
 
     def __sub__(self, other: Resources) -> Resources:
         return Resources(max(self.cpus - other.cpus, 0.0), max(self.gpus - other.gpus, 0.0))
+
+    def describe(self) -> str:
+        """``2 GPU, 8 CPU`` (parts without a limit left out)."""
+        parts = [f"{value:g} {unit}" for value, unit in ((self.gpus, "GPU"), (self.cpus, "CPU"))
+                 if math.isfinite(value) and (value or unit == "CPU")]
+        return ", ".join(parts) or "no limit"
 
     def weight(self) -> float:
         """One number for usage accounting: GPUs dominate (a GPU counts as 8 CPUs)."""
@@ -85,10 +95,12 @@ class Policy(abc.ABC):
 
     name: str = ""
 
-    def __init__(self, aging_s: float = DEFAULT_AGING_S) -> None:
+    def __init__(self, aging_s: float = DEFAULT_AGING_S,
+                 quotas: Mapping[str, Resources] | None = None) -> None:
         if not aging_s > 0:
             raise ConfigError(f"aging_s={aging_s}: must be > 0")
         self.aging_s = aging_s
+        self.quotas = dict(quotas or {})
 
     @abc.abstractmethod
     def key(self, job: QueuedJob, running: Sequence[RunningJob], now: float) -> tuple[float, ...]:
@@ -104,8 +116,15 @@ class Policy(abc.ABC):
         return aged + rest
 
     def allowed(self, job: QueuedJob, running: Sequence[RunningJob]) -> bool:
-        """Whether policy rules other than capacity let ``job`` start (quotas)."""
-        return True
+        """Whether the job's team stays within its quota (if it has one) with ``job``."""
+        quota = self.quotas.get(job.team)
+        if quota is None:
+            return True
+        used = Resources()
+        for other in running:
+            if other.job.team == job.team:
+                used = used + other.job.needs
+        return quota.fits(used + job.needs)
 
     def ended(self, job: RunningJob, now: float) -> None:
         """A job released its resources at ``now`` (fair share charges its team)."""
@@ -163,7 +182,7 @@ class _Usage:
 
 
 class FairShare(Policy):
-    """The team with the least decayed usage per weight goes first; per-team quotas hold.
+    """The team with the least decayed usage per weight goes first.
 
     Usage is resource-seconds (:meth:`Resources.weight`), decayed with ``half_life_s``, plus
     what the team's running jobs have used so far; :meth:`ended` charges a job that ends.
@@ -174,14 +193,13 @@ class FairShare(Policy):
     def __init__(self, weights: Mapping[str, float] | None = None,
                  quotas: Mapping[str, Resources] | None = None, half_life_s: float = 3600.0,
                  aging_s: float = DEFAULT_AGING_S) -> None:
-        super().__init__(aging_s)
+        super().__init__(aging_s, quotas)
         for team, weight in (weights or {}).items():
             if not weight > 0:
                 raise ConfigError(f"weight of team {team!r} = {weight}: must be > 0")
         if not half_life_s > 0:
             raise ConfigError(f"half_life_s={half_life_s}: must be > 0")
         self.weights = dict(weights or {})
-        self.quotas = dict(quotas or {})
         self.half_life_s = half_life_s
         self._usage: dict[str, _Usage] = {}
 
@@ -199,16 +217,6 @@ class FairShare(Policy):
         held = sum(r.job.needs.weight() * (now - r.started_s) for r in running
                    if r.job.team == job.team)
         return ((self.usage(job.team, now) + held) / self.weights.get(job.team, 1.0),)
-
-    def allowed(self, job: QueuedJob, running: Sequence[RunningJob]) -> bool:
-        quota = self.quotas.get(job.team)
-        if quota is None:
-            return True
-        used = Resources()
-        for other in running:
-            if other.job.team == job.team:
-                used = used + other.job.needs
-        return quota.fits(used + job.needs)
 
 
 class Backfill(Policy):
@@ -270,7 +278,8 @@ def _reservation(head: QueuedJob, running: Sequence[RunningJob], free: Resources
 POLICIES = ("fifo", "priority", "sjf", "fairshare", "backfill")
 
 
-def make_policy(name: str, aging_s: float = DEFAULT_AGING_S) -> Policy:
+def make_policy(name: str, aging_s: float = DEFAULT_AGING_S,
+                quotas: Mapping[str, Resources] | None = None) -> Policy:
     """A policy by name (``raydeck queue --policy``, the simulator's ``--policy``).
 
     Raises:
@@ -279,10 +288,10 @@ def make_policy(name: str, aging_s: float = DEFAULT_AGING_S) -> Policy:
     makers = {"fifo": Fifo, "priority": PriorityAging, "sjf": ShortestJobFirst,
               "fairshare": FairShare}
     if name == "backfill":
-        return Backfill(Fifo(aging_s))
+        return Backfill(Fifo(aging_s, quotas))
     if name.startswith("backfill-") and name.removeprefix("backfill-") in makers:
-        return Backfill(makers[name.removeprefix("backfill-")](aging_s=aging_s))
+        return Backfill(makers[name.removeprefix("backfill-")](aging_s=aging_s, quotas=quotas))
     if name not in makers:
         raise ConfigError(f"policy {name!r} is not one of {', '.join(POLICIES)} "
                           "(or backfill-<policy>)")
-    return makers[name](aging_s=aging_s)
+    return makers[name](aging_s=aging_s, quotas=quotas)

@@ -175,9 +175,12 @@ class Report:
                    float(per_team.sum() ** 2 / (len(per_team) * (per_team ** 2).sum())))
 
 
-def simulate(trace: Sequence[TraceJob], policy: Policy, capacity: Resources
-             ) -> list[Scheduled]:
+def simulate(trace: Sequence[TraceJob], policy: Policy, capacity: Resources,
+             pinned: Sequence[str] = ()) -> list[Scheduled]:
     """Replay ``trace`` on a cluster of ``capacity`` under ``policy``; every job runs once.
+
+    Jobs whose ids are in ``pinned`` start when they arrive, whatever the policy says (the
+    queue uses this for jobs already running when it predicts start times).
 
     Raises:
         ConfigError: a job larger than the cluster (it could never start).
@@ -206,8 +209,15 @@ def simulate(trace: Sequence[TraceJob], policy: Policy, capacity: Resources
             free = free + done.job.needs
             policy.ended(done, now)
         while index < len(arrivals) and arrivals[index].submit_s <= now:
-            queue.append(arrivals[index].queued())
+            arrival = arrivals[index].queued()
             index += 1
+            if arrival.id in pinned:
+                running[arrival.id] = RunningJob(arrival, now)
+                started[arrival.id] = now
+                free = free - arrival.needs
+                heapq.heappush(ends, (now + by_id[arrival.id].duration_s, arrival.id))
+            else:
+                queue.append(arrival)
         if not queue:
             continue
         for chosen in policy.decide(queue, list(running.values()), free, capacity, now):

@@ -227,6 +227,11 @@ def _run_trial(job: SweepJob, config: SweepConfig, settings: Settings, preset: A
     global _current
     from ray import tune
 
+    # Imported here, in this thread, before the binding thread starts: report() imports it and
+    # the binding thread imports raydeck.tracking, and two threads importing that cycle at once
+    # can see a half-initialized module (ImportError: "partially initialized module").
+    import raydeck.checkpointing  # noqa: F401
+
     trial_config = dict(trial_config)
     exploit = trial_config.pop(LINEAGE_KEY, None)
     trial_id = str(tune.get_context().get_trial_id())

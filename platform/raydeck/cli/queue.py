@@ -1,0 +1,90 @@
+"""``raydeck queue`` and ``raydeck cancel``: the cluster's job queue."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import typer
+from rich.markup import escape
+from rich.table import Table
+
+from raydeck.cli._console import console, err_console, setup_logging
+
+if TYPE_CHECKING:
+    from raydeck.config import Settings
+    from raydeck.jobs import JobServer
+
+
+def _context(address: str | None) -> tuple[Settings, JobServer]:
+    from raydeck.config import load_settings
+    from raydeck.jobs import JobServer
+
+    settings = load_settings()
+    setup_logging(settings.log_level)
+    return settings, JobServer.from_env(address)
+
+
+def _clock(at: float | None) -> str:
+    if at is None:
+        return "-"
+    return datetime.datetime.fromtimestamp(at).strftime("%H:%M:%S")
+
+
+def queue(
+    policy: str = typer.Option(None, help="Switch the policy: fifo, priority, sjf, fairshare, "
+                                          "backfill or backfill-<policy>."),
+    aging: str = typer.Option(None, help="Aging bound, e.g. 1h: a job waiting this long goes "
+                                         "first."),
+    teams: Path = typer.Option(None, help="YAML of teams: NAME: {weight: 2, gpus: 4, cpus: 32}."),
+    address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
+) -> None:
+    """Show the queue: position, predicted start and why each job waits; change its policy."""
+    import yaml
+
+    from raydeck.errors import ConfigError
+    from raydeck.observability.prometheus import parse_duration
+    from raydeck.scheduling.client import listing
+
+    settings, server = _context(address)
+    team_specs = None
+    if teams is not None:
+        if not teams.is_file():
+            raise ConfigError(f"--teams {teams}: no such file")
+        team_specs = yaml.safe_load(teams.read_text()) or {}
+        if not isinstance(team_specs, dict):
+            raise ConfigError(f"--teams {teams}: must map team names to {{weight, gpus, cpus}}")
+    aging_s = parse_duration(aging) if aging is not None else None
+    if policy is not None:
+        from raydeck.scheduling.policies import make_policy
+
+        make_policy(policy)  # an unknown policy fails before anything changes
+    name, entries = listing(settings, server, policy, aging_s, team_specs)
+    now = time.time()
+    table = Table(title=f"queue (policy {name})")
+    for column in ("#", "job", "team", "prio", "needs", "state", "waited", "start", "why"):
+        table.add_column(column, overflow="fold")
+    for entry in entries:
+        job = entry.job
+        needs = f"{job.gpus:g} GPU, {job.cpus:g} CPU" if job.gpus else f"{job.cpus:g} CPU"
+        waited = f"{((job.started_at or now) - job.submitted_at) / 60:.1f}m"
+        table.add_row(str(entry.position or "-"), escape(job.id), job.team, str(job.priority),
+                      needs, job.state, waited, _clock(entry.predicted_start_s),
+                      escape(entry.why))
+    if not entries:
+        err_console.print("the queue is empty")
+    console.print(table)
+
+
+def cancel(
+    job_id: str = typer.Argument(..., help="Queued job id (`raydeck queue` lists them)."),
+    address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
+) -> None:
+    """Take a job out of the queue, or stop it if it has started."""
+    from raydeck.scheduling.client import cancel as cancel_job
+
+    settings, server = _context(address)
+    view = cancel_job(settings, server, job_id)
+    console.print(f"cancelled {view.id}")

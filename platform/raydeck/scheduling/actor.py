@@ -1,0 +1,153 @@
+"""The queue's home: one detached, named Ray actor on the head node, ticking.
+
+Owns: :class:`QueueActor` (a :class:`~raydeck.scheduling.queue.JobQueue` with a thread that
+ticks every ``tick_s``) and :func:`queue_handle`, which finds it or starts it. The actor restarts
+after a crash (``max_restarts=-1``) and reads everything from its database, so killing it loses
+and duplicates nothing; its database is SQLite in the head's ``RAYDECK_DATA_DIR`` unless
+``RAYDECK_QUEUE_DATABASE_URL`` (on the head) names another (PostgreSQL).
+
+Calls answer ``(True, value)`` or ``(False, message)``: a refusal is one line for the CLI, not
+a Ray traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from raydeck.errors import ConfigError, RaydeckError
+from raydeck.jobs import JobServer
+from raydeck.scheduling.queue import Observer
+from raydeck.scheduling.store import JobRow
+
+logger = logging.getLogger(__name__)
+
+ACTOR_NAME = "raydeck-queue"
+DATABASE_URL_ENV = "RAYDECK_QUEUE_DATABASE_URL"
+DEFAULT_TICK_S = 2.0
+
+
+class QueueActor:
+    """The queue actor (created through :func:`queue_handle`)."""
+
+    def __init__(self, server: JobServer, tick_s: float = DEFAULT_TICK_S) -> None:
+        from raydeck.config import load_settings
+        from raydeck.scheduling.queue import JobQueue
+        from raydeck.scheduling.ray_jobs import RayJobs
+        from raydeck.scheduling.store import Store
+
+        logging.getLogger("raydeck").setLevel(logging.INFO)
+        settings = load_settings()
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        url = os.environ.get(DATABASE_URL_ENV) or f"sqlite:///{settings.data_dir / 'queue.db'}"
+        self._lock = threading.Lock()
+        self._queue = JobQueue(Store(url), RayJobs(server), observer=QueueMetrics())
+        self._stop = threading.Event()
+        self._tick_s = tick_s
+        threading.Thread(target=self._loop, name="raydeck-queue-tick", daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._tick_s):
+            try:
+                with self._lock:
+                    started = self._queue.tick()
+                if started:
+                    logger.info("started %s", ", ".join(started))
+            except Exception:
+                # The job server or the database is briefly unreachable: try at the next tick.
+                logger.exception("queue tick failed; retrying in %.0f s", self._tick_s)
+
+    def _call(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
+        try:
+            with self._lock:
+                return True, fn()
+        except RaydeckError as exc:
+            return False, str(exc)
+
+    def submit(self, spec: Any, package: bytes | None) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.submit(spec, package))
+
+    def cancel(self, job_id: str) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.cancel(job_id))
+
+    def listing(self) -> tuple[bool, Any]:
+        return self._call(lambda: (self._queue.policy_name(), self._queue.listing()))
+
+    def configure(self, policy: str | None, aging_s: float | None,
+                  teams: dict[str, Any] | None) -> tuple[bool, Any]:
+        def apply() -> str:
+            if teams is not None:
+                self._queue.set_teams(teams)
+            if policy is not None or aging_s is not None:
+                self._queue.set_policy(policy or self._queue.policy_name(), aging_s)
+            return self._queue.policy_name()
+
+        return self._call(apply)
+
+    def tick(self) -> tuple[bool, Any]:
+        return self._call(self._queue.tick)
+
+
+class QueueMetrics(Observer):
+    """The queue's reports as Prometheus metrics (raydeck.observability.metrics ``QUEUE_*``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from raydeck.observability.metrics import (
+            QUEUE_DURATION_RATIO,
+            QUEUE_JOBS,
+            QUEUE_WAIT,
+            gauge,
+            histogram,
+        )
+
+        self._jobs = gauge(QUEUE_JOBS)
+        self._wait = histogram(QUEUE_WAIT)
+        self._ratio = histogram(QUEUE_DURATION_RATIO)
+        self._seen: set[tuple[str, str]] = set()
+
+    def started(self, row: JobRow, now: float) -> None:
+        self._wait.observe(max(now - row.submitted_at, 0.0), {"team": row.team})
+
+    def ended(self, row: JobRow, now: float) -> None:
+        if row.started_at is not None and row.estimate_s > 0:
+            self._ratio.observe((now - row.started_at) / row.estimate_s, {"team": row.team})
+
+    def counts(self, by_team_and_state: dict[tuple[str, str], int]) -> None:
+        # A team whose jobs all left shows 0, not a stale count.
+        for team, state in self._seen | set(by_team_and_state):
+            self._jobs.set(by_team_and_state.get((team, state), 0),
+                           {"team": team, "state": state})
+        self._seen |= set(by_team_and_state)
+
+
+def queue_handle(server: JobServer, namespace: str, tick_s: float = DEFAULT_TICK_S) -> Any:
+    """The running queue actor, or a new one pinned to the head node. The caller is connected
+    to the cluster (``raydeck.cluster.connect_existing``)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        return ray.get_actor(ACTOR_NAME, namespace=namespace)
+    except ValueError:
+        pass
+    head = next((n["NodeID"] for n in ray.nodes()
+                 if n["Alive"] and "node:__internal_head__" in n["Resources"]), None)
+    options: dict[str, Any] = {
+        "name": ACTOR_NAME, "namespace": namespace, "lifetime": "detached",
+        "get_if_exists": True, "num_cpus": 0, "max_restarts": -1, "max_concurrency": 8,
+    }
+    if head is not None:
+        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
+    return ray.remote(QueueActor).options(**options).remote(server, tick_s)
+
+
+def answer(reply: tuple[bool, Any]) -> Any:
+    """The value of a queue call, or its refusal raised as :class:`ConfigError`."""
+    ok, value = reply
+    if not ok:
+        raise ConfigError(str(value))
+    return value

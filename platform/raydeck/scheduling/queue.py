@@ -1,0 +1,391 @@
+"""The job queue: policies applied to real jobs, with durable state, in front of a job server.
+
+Owns: :class:`JobQueue` (submit, cancel, list with the reason each job waits and its predicted
+start, and :meth:`JobQueue.tick`, which reconciles the jobs it started with the job server and
+starts what the policy says), :class:`Team` and :class:`JobSpec`. The job server is behind the
+small :class:`Launcher` interface (:mod:`raydeck.scheduling.ray_jobs` is Ray's), so the queue's
+logic is the same in tests and on a cluster. Does not own: the Ray actor that hosts it
+(:mod:`raydeck.scheduling.actor`) or the policies (:mod:`raydeck.scheduling.policies`).
+
+Resources a queued job may use are the smaller of what the cluster has free now (jobs started
+outside the queue count) and the total minus what the queue's active jobs hold (a job that has
+just started may not have claimed its resources yet).
+"""
+
+from __future__ import annotations
+
+import abc
+import json
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from raydeck.errors import ConfigError, JobSubmissionError
+from raydeck.scheduling.policies import (
+    DEFAULT_AGING_S,
+    Backfill,
+    FairShare,
+    Policy,
+    QueuedJob,
+    Resources,
+    RunningJob,
+    make_policy,
+)
+from raydeck.scheduling.store import ACTIVE, JobRow, JobView, Store
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ESTIMATE_S = 3600.0
+PREDICTION_QUANTILE = 0.75
+DEFAULT_TEAM = "default"
+_TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
+TERMINAL = {"SUCCEEDED": "succeeded", "FAILED": "failed", "STOPPED": "stopped"}
+
+
+@dataclass(frozen=True)
+class Team:
+    """A team sharing the cluster: its fair-share weight and optional quota."""
+
+    name: str
+    weight: float = 1.0
+    quota: Resources | None = None
+
+    def __post_init__(self) -> None:
+        if not _TEAM_NAME.match(self.name):
+            raise ConfigError(f"team {self.name!r}: use 1-64 of a-z 0-9 _ -")
+        if not self.weight > 0:
+            raise ConfigError(f"team {self.name}: weight={self.weight} must be > 0")
+
+    @classmethod
+    def parse(cls, name: str, spec: Mapping[str, Any]) -> Team:
+        """A team from ``{weight: 2, gpus: 4, cpus: 32}`` (the teams file's entries)."""
+        unknown = set(spec) - {"weight", "gpus", "cpus"}
+        if unknown:
+            raise ConfigError(f"team {name}: unknown key(s) {', '.join(sorted(unknown))}; "
+                              "a team has weight, gpus, cpus")
+        quota = (Resources(float(spec.get("cpus", float("inf"))),
+                           float(spec.get("gpus", float("inf"))))
+                 if "gpus" in spec or "cpus" in spec else None)
+        return cls(name, float(spec.get("weight", 1.0)), quota)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a client queues: one job for the job server, and what it needs."""
+
+    id: str
+    team: str
+    priority: int
+    preset: str
+    needs: Resources
+    key: str
+    entrypoint: str
+    runtime_env: dict[str, Any]
+    metadata: dict[str, str] = field(default_factory=dict)
+    package_uri: str = ""
+    estimate_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.priority < 0:
+            raise ConfigError(f"--priority={self.priority}: must be >= 0 (higher runs first)")
+        if self.estimate_s is not None and not self.estimate_s > 0:
+            raise ConfigError(f"--estimate={self.estimate_s}: must be > 0 seconds")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One job in ``raydeck queue``: where it is and why it waits."""
+
+    job: JobView
+    position: int | None
+    predicted_start_s: float | None
+    why: str
+
+
+class Launcher(abc.ABC):
+    """The job server the queue starts jobs on."""
+
+    @abc.abstractmethod
+    def submit(self, row: JobRow, package: bytes | None) -> None:
+        """Start the job; a job with the same id already there counts as started."""
+
+    @abc.abstractmethod
+    def status(self, job_id: str) -> str | None:
+        """Ray's job status (``PENDING``, ``RUNNING``, ``SUCCEEDED``...), None if unknown."""
+
+    @abc.abstractmethod
+    def stop(self, job_id: str) -> None:
+        """Stop a running job."""
+
+    @abc.abstractmethod
+    def resources(self) -> tuple[Resources, Resources]:
+        """``(free now, total)`` of the cluster."""
+
+
+class Observer:
+    """What the queue reports as it works (the actor exports it as metrics); no-ops here."""
+
+    def started(self, row: JobRow, now: float) -> None:
+        """``row`` was submitted to the job server at ``now`` (its wait: now - submitted)."""
+        return None
+
+    def ended(self, row: JobRow, now: float) -> None:
+        """``row`` ended at ``now`` (its duration: now - started; predicted: estimate_s)."""
+        return None
+
+    def counts(self, by_team_and_state: dict[tuple[str, str], int]) -> None:
+        """After each tick: how many jobs each team has queued and running."""
+        return None
+
+
+class JobQueue:
+    """The queue's logic over a :class:`Store` and a :class:`Launcher` (see module docs)."""
+
+    def __init__(self, store: Store, launcher: Launcher,
+                 clock: Callable[[], float] = time.time,
+                 observer: Observer | None = None) -> None:
+        self._store = store
+        self._launcher = launcher
+        self._clock = clock
+        self._observer = observer or Observer()
+        self._policy = self._make_policy()
+
+    # --- configuration ---------------------------------------------------------------------
+    def teams(self) -> dict[str, Team]:
+        raw = self._store.setting("teams", {})
+        return {name: Team.parse(name, spec) for name, spec in raw.items()}
+
+    def set_teams(self, teams: Mapping[str, Mapping[str, Any]]) -> None:
+        """Replace the teams (validated first: a bad file changes nothing)."""
+        for name, spec in teams.items():
+            Team.parse(name, spec)
+        self._store.set_setting("teams", dict(teams))
+        self._policy = self._make_policy()
+
+    def policy_name(self) -> str:
+        return str(self._store.setting("policy", "fifo"))
+
+    def set_policy(self, name: str, aging_s: float | None = None) -> None:
+        make_policy(name)  # raises for an unknown name before anything is stored
+        self._store.set_setting("policy", name)
+        if aging_s is not None:
+            if not aging_s > 0:
+                raise ConfigError(f"--aging={aging_s}: must be > 0 seconds")
+            self._store.set_setting("aging_s", aging_s)
+        self._policy = self._make_policy()
+
+    def _make_policy(self) -> Policy:
+        name = self.policy_name()
+        aging_s = float(self._store.setting("aging_s", DEFAULT_AGING_S))
+        teams = self.teams()
+        weights = {t.name: t.weight for t in teams.values()}
+        quotas = {t.name: t.quota for t in teams.values() if t.quota is not None}
+        share = FairShare(weights, quotas, aging_s=aging_s)
+        if name == "fairshare":
+            policy: Policy = share
+        elif name == "backfill-fairshare":
+            policy = Backfill(share)
+        else:
+            policy = make_policy(name, aging_s, quotas)
+        # Fair share remembers usage: replay what ended (decay makes old history vanish).
+        for row in self._store.jobs("succeeded", "failed", "stopped", "cancelled"):
+            if row.started_at is not None and row.ended_at is not None:
+                policy.ended(RunningJob(_queued(row), row.started_at), row.ended_at)
+        return policy
+
+    # --- clients -----------------------------------------------------------------------------
+    def submit(self, spec: JobSpec, package: bytes | None = None) -> JobView:
+        """Queue a job (nothing is queued when it is refused).
+
+        Raises:
+            ConfigError: unknown team, a job larger than the cluster or its team's quota, or
+                an id already queued.
+        """
+        teams = self.teams()
+        if teams and spec.team not in teams:
+            raise ConfigError(f"--team {spec.team!r} is not one of the queue's teams: "
+                              f"{', '.join(sorted(teams))} (`raydeck queue --teams FILE`)")
+        _, total = self._launcher.resources()
+        if not total.fits(spec.needs):
+            raise ConfigError(f"job {spec.id} needs {spec.needs.describe()} but the whole "
+                              f"cluster has {total.describe()}: it could never start")
+        quota = teams[spec.team].quota if spec.team in teams else None
+        if quota is not None and not quota.fits(spec.needs):
+            raise ConfigError(f"job {spec.id} needs {spec.needs.describe()}, more than team "
+                              f"{spec.team}'s quota of {quota.describe()}")
+        estimate = spec.estimate_s or self.predict(spec.key) or DEFAULT_ESTIMATE_S
+        if package is not None and spec.package_uri:
+            self._store.add_package(spec.package_uri, package)
+        row = JobRow(id=spec.id, team=spec.team, priority=spec.priority, cpus=spec.needs.cpus,
+                     gpus=spec.needs.gpus, preset=spec.preset, key=spec.key,
+                     entrypoint=spec.entrypoint, runtime_env=json.dumps(spec.runtime_env),
+                     metadata_json=json.dumps(spec.metadata), package_uri=spec.package_uri,
+                     estimate_s=estimate, state="queued", reason="",
+                     submitted_at=self._clock(), started_at=None, ended_at=None)
+        if not self._store.add(row):
+            raise ConfigError(f"job {spec.id} is already in the queue")
+        return JobView.of(row)
+
+    def predict(self, key: str) -> float | None:
+        """Predicted duration of a job from earlier runs of the same job (same entrypoint,
+        preset and arguments): the 75th percentile of their durations, or None."""
+        durations = self._store.durations(key)
+        return float(np.quantile(durations, PREDICTION_QUANTILE)) if durations else None
+
+    def cancel(self, job_id: str) -> JobView:
+        """Take a queued job out, or stop a started one.
+
+        Raises:
+            ConfigError: no such job, or it has already ended.
+        """
+        row = self._store.get(job_id)
+        if row is None:
+            raise ConfigError(f"no job {job_id!r} in the queue (`raydeck queue` lists them)")
+        if row.state not in ("queued", *ACTIVE):
+            raise ConfigError(f"job {job_id} has already ended ({row.state})")
+        if row.state in ACTIVE:
+            self._launcher.stop(job_id)
+        self._store.update(job_id, state="cancelled", ended_at=self._clock(),
+                           reason="cancelled by raydeck cancel")
+        updated = self._store.get(job_id)
+        assert updated is not None
+        return JobView.of(updated)
+
+    def listing(self) -> list[Entry]:
+        """Every job not ended, in start order, with why it waits and when it should start."""
+        now = self._clock()
+        queued = [_queued(r) for r in self._store.jobs("queued")]
+        active = self._store.jobs(*ACTIVE)
+        running = [RunningJob(_queued(r), r.started_at or now) for r in active]
+        free, total = self._free()
+        ordered = self._policy.order(queued, running, now)
+        predicted = self._predicted_starts(ordered, running, total, now)
+        entries = [Entry(JobView.of(r), None, r.started_at, r.state) for r in active]
+        rows = {r.id: r for r in self._store.jobs("queued")}
+        for position, job in enumerate(ordered, start=1):
+            entries.append(Entry(JobView.of(rows[job.id]), position, predicted.get(job.id),
+                                 self._why(job, ordered, running, free)))
+        return entries
+
+    def _why(self, job: QueuedJob, ordered: list[QueuedJob], running: list[RunningJob],
+             free: Resources) -> str:
+        team = self.teams().get(job.team)
+        if team is not None and team.quota is not None:
+            used = Resources()
+            for other in running:
+                if other.job.team == job.team:
+                    used = used + other.job.needs
+            if not team.quota.fits(used + job.needs):
+                return (f"needs {job.needs.describe()}; team {job.team} uses {used.describe()} "
+                        f"of its {team.quota.describe()}")
+        if not free.fits(job.needs):
+            return f"needs {job.needs.describe()}; {free.gpus:g} GPU, {free.cpus:g} CPU free"
+        ahead = ordered[:ordered.index(job)]
+        if ahead:
+            return f"behind {ahead[0].id} ({self._policy.name} order)"
+        return "starts at the next tick"
+
+    def _predicted_starts(self, ordered: list[QueuedJob], running: list[RunningJob],
+                          total: Resources, now: float) -> dict[str, float]:
+        """When each queued job should start: the policy replayed with running jobs ending
+        at their estimates and no new arrivals."""
+        from raydeck.scheduling.simulator import TraceJob, simulate
+
+        ahead = [TraceJob(r.job.id, now, max(r.expected_end_s - now, 0.0), r.job.needs,
+                          r.job.team, 0) for r in running]
+        trace = ahead + [TraceJob(j.id, j.submitted_s, j.estimate_s, j.needs, j.team,
+                                  j.priority, j.estimate_s) for j in ordered]
+        try:
+            schedule = simulate(trace, _fresh(self._policy), total, pinned=[a.id for a in ahead])
+        except ConfigError:
+            return {}
+        return {s.job.id: max(s.start_s, now) for s in schedule if s.job.id not in
+                {a.id for a in ahead}}
+
+    # --- the loop ----------------------------------------------------------------------------
+    def tick(self) -> list[str]:
+        """Reconcile started jobs with the job server, then start what the policy says.
+
+        Returns:
+            Ids of the jobs started in this tick.
+        """
+        now = self._clock()
+        for row in self._store.jobs(*ACTIVE):
+            self._reconcile(row, now)
+        try:
+            return self._start_what_fits(now)
+        finally:
+            counts: dict[tuple[str, str], int] = {}
+            for row in self._store.jobs("queued", *ACTIVE):
+                state = "queued" if row.state == "queued" else "running"
+                counts[(row.team, state)] = counts.get((row.team, state), 0) + 1
+            self._observer.counts(counts)
+
+    def _start_what_fits(self, now: float) -> list[str]:
+        queued = [_queued(r) for r in self._store.jobs("queued")]
+        if not queued:
+            return []
+        active = self._store.jobs(*ACTIVE)
+        running = [RunningJob(_queued(r), r.started_at or now) for r in active]
+        free, total = self._free()
+        started = []
+        for job in self._policy.decide(queued, running, free, total, now):
+            chosen = self._store.get(job.id)
+            if chosen is None or chosen.state != "queued":
+                continue  # cancelled meanwhile
+            # Recorded before submitting: a queue that dies here resubmits under the same id,
+            # which the job server refuses if the first submission got through.
+            self._store.update(job.id, state="starting", started_at=now)
+            self._start(chosen)
+            self._observer.started(chosen, now)
+            started.append(job.id)
+        return started
+
+    def _start(self, row: JobRow) -> None:
+        try:
+            self._launcher.submit(row, self._store.package(row.package_uri)
+                                  if row.package_uri else None)
+        except JobSubmissionError as exc:
+            # A permanent refusal (bad runtime env, entrypoint): set aside, never retried.
+            self._store.update(row.id, state="failed", ended_at=self._clock(), reason=str(exc))
+            logger.error("job %s was refused by the job server: %s", row.id, exc)
+
+    def _reconcile(self, row: JobRow, now: float) -> None:
+        status = self._launcher.status(row.id)
+        if status is None:
+            if row.state == "starting":
+                self._start(row)  # the queue stopped between recording and submitting
+            return
+        if status in TERMINAL:
+            self._store.update(row.id, state=TERMINAL[status], ended_at=now)
+            self._policy.ended(RunningJob(_queued(row), row.started_at or now), now)
+            self._observer.ended(row, now)
+        elif row.state == "starting":
+            self._store.update(row.id, state="running")
+
+    def _free(self) -> tuple[Resources, Resources]:
+        available, total = self._launcher.resources()
+        held = Resources()
+        for row in self._store.jobs(*ACTIVE):
+            held = held + Resources(row.cpus, row.gpus)
+        by_reservation = total - held
+        return (Resources(min(available.cpus, by_reservation.cpus),
+                          min(available.gpus, by_reservation.gpus)), total)
+
+
+def _queued(row: JobRow) -> QueuedJob:
+    return QueuedJob(row.id, row.team, row.priority, Resources(row.cpus, row.gpus),
+                     row.submitted_at, row.estimate_s)
+
+
+def _fresh(policy: Policy) -> Policy:
+    """A copy to simulate with, so predictions never charge the live policy's usage."""
+    import copy
+
+    return copy.deepcopy(policy)
+

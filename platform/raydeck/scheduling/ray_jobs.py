@@ -1,0 +1,66 @@
+"""Ray's job server as the queue's :class:`~raydeck.scheduling.queue.Launcher`.
+
+Owns: submitting a queued job with its stored working-dir package (uploaded again when Ray has
+deleted it: Ray keeps an uploaded package only while a job uses it), reading a job's status, and
+the cluster's free and total resources (``ray.available_resources`` counts jobs started outside
+the queue). Runs inside the queue's actor, which is connected to the cluster.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from raydeck.errors import JobSubmissionError
+from raydeck.jobs import JobServer
+from raydeck.scheduling.policies import Resources
+from raydeck.scheduling.queue import Launcher
+from raydeck.scheduling.store import JobRow
+
+
+class RayJobs(Launcher):
+    """Jobs on the Ray cluster whose job server is ``server``."""
+
+    def __init__(self, server: JobServer) -> None:
+        self._server = server
+        self._client: Any = None
+
+    def _jobs(self) -> Any:
+        if self._client is None:
+            self._client = self._server.client()
+        return self._client
+
+    def submit(self, row: JobRow, package: bytes | None) -> None:
+        from ray._private.runtime_env import packaging
+
+        if row.package_uri and not packaging.package_exists(row.package_uri):
+            if package is None:
+                raise JobSubmissionError(f"job {row.id}: its working dir package "
+                                         f"{row.package_uri} is gone and was not kept")
+            packaging.upload_package_to_gcs(row.package_uri, package)
+        try:
+            self._jobs().submit_job(entrypoint=row.entrypoint, submission_id=row.id,
+                                    runtime_env=json.loads(row.runtime_env),
+                                    metadata=json.loads(row.metadata_json))
+        except RuntimeError as exc:
+            if "already exists" in str(exc):
+                return  # submitted before the queue restarted: started once, not twice
+            raise JobSubmissionError(str(exc).splitlines()[0][:300]) from None
+
+    def status(self, job_id: str) -> str | None:
+        try:
+            return str(self._jobs().get_job_status(job_id).value)
+        except RuntimeError as exc:
+            if "does not exist" in str(exc) or "not found" in str(exc).lower():
+                return None
+            raise
+
+    def stop(self, job_id: str) -> None:
+        self._jobs().stop_job(job_id)
+
+    def resources(self) -> tuple[Resources, Resources]:
+        import ray
+
+        available, total = ray.available_resources(), ray.cluster_resources()
+        return (Resources(available.get("CPU", 0.0), available.get("GPU", 0.0)),
+                Resources(total.get("CPU", 0.0), total.get("GPU", 0.0)))

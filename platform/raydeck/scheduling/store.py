@@ -1,0 +1,167 @@
+"""The job queue's durable state: one SQL table of jobs and one of settings (SQLAlchemy).
+
+Owns: the schema and every read and write of the queue's state. SQLite in the queue's data
+directory by default, PostgreSQL (or any SQLAlchemy URL) when configured. Every state change is
+one committed transaction, written *before* the action it records (a job is ``starting`` with
+its submission id before it is submitted), so a queue that restarts finds every job and submits
+none twice: the job server refuses a second job with the same submission id.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Float, Integer, LargeBinary, String, Text, create_engine, select
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+
+ACTIVE = ("starting", "running")
+ENDED = ("succeeded", "failed", "stopped", "cancelled")
+
+
+class _Base(DeclarativeBase):
+    pass
+
+
+class JobRow(_Base):
+    """One queued job and everything the queue knows about it."""
+
+    __tablename__ = "raydeck_queue_jobs"
+
+    id: Mapped[str] = mapped_column(String(160), primary_key=True)
+    team: Mapped[str] = mapped_column(String(64))
+    priority: Mapped[int] = mapped_column(Integer)
+    cpus: Mapped[float] = mapped_column(Float)
+    gpus: Mapped[float] = mapped_column(Float)
+    preset: Mapped[str] = mapped_column(String(64))
+    key: Mapped[str] = mapped_column(String(64), index=True)
+    entrypoint: Mapped[str] = mapped_column(Text)
+    runtime_env: Mapped[str] = mapped_column(Text)
+    metadata_json: Mapped[str] = mapped_column(Text)
+    package_uri: Mapped[str] = mapped_column(String(200))
+    estimate_s: Mapped[float] = mapped_column(Float)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+    submitted_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class PackageRow(_Base):
+    """A job's working dir as the zip Ray's job server takes: kept here, because Ray deletes an
+    uploaded package that no running job uses, and a queued job may wait for hours."""
+
+    __tablename__ = "raydeck_queue_packages"
+
+    uri: Mapped[str] = mapped_column(String(200), primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class SettingRow(_Base):
+    __tablename__ = "raydeck_queue_settings"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[str] = mapped_column(Text)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A job as clients see it (detached from the database session)."""
+
+    id: str
+    team: str
+    priority: int
+    cpus: float
+    gpus: float
+    preset: str
+    key: str
+    entrypoint: str
+    estimate_s: float
+    state: str
+    reason: str
+    submitted_at: float
+    started_at: float | None
+    ended_at: float | None
+
+    @classmethod
+    def of(cls, row: JobRow) -> JobView:
+        return cls(row.id, row.team, row.priority, row.cpus, row.gpus, row.preset, row.key,
+                   row.entrypoint, row.estimate_s, row.state, row.reason, row.submitted_at,
+                   row.started_at, row.ended_at)
+
+
+class Store:
+    """The queue's tables behind ``url`` (created if missing)."""
+
+    def __init__(self, url: str) -> None:
+        self._engine = create_engine(url, future=True)
+        _Base.metadata.create_all(self._engine)
+        self._sessions = sessionmaker(self._engine, expire_on_commit=False)
+
+    @contextmanager
+    def _session(self) -> Iterator[Session]:
+        with self._sessions.begin() as session:
+            yield session
+
+    def add(self, row: JobRow) -> bool:
+        """Insert a job; False (and nothing written) if its id is already queued."""
+        with self._session() as session:
+            if session.get(JobRow, row.id) is not None:
+                return False
+            session.add(row)
+            return True
+
+    def jobs(self, *states: str) -> list[JobRow]:
+        with self._session() as session:
+            query = select(JobRow).order_by(JobRow.submitted_at, JobRow.id)
+            if states:
+                query = query.where(JobRow.state.in_(states))
+            return list(session.scalars(query))
+
+    def get(self, job_id: str) -> JobRow | None:
+        with self._session() as session:
+            return session.get(JobRow, job_id)
+
+    def update(self, job_id: str, **values: Any) -> None:
+        with self._session() as session:
+            row = session.get(JobRow, job_id)
+            if row is None:
+                raise KeyError(job_id)
+            for name, value in values.items():
+                setattr(row, name, value)
+
+    def durations(self, key: str, limit: int = 20) -> list[float]:
+        """How long the last ``limit`` successful runs of the same job took."""
+        with self._session() as session:
+            rows = session.scalars(
+                select(JobRow).where(JobRow.key == key, JobRow.state == "succeeded")
+                .order_by(JobRow.ended_at.desc()).limit(limit))
+            return [r.ended_at - r.started_at for r in rows
+                    if r.ended_at is not None and r.started_at is not None]
+
+    def add_package(self, uri: str, data: bytes) -> None:
+        with self._session() as session:
+            if session.get(PackageRow, uri) is None:
+                session.add(PackageRow(uri=uri, data=data))
+
+    def package(self, uri: str) -> bytes | None:
+        with self._session() as session:
+            row = session.get(PackageRow, uri)
+            return None if row is None else row.data
+
+    def setting(self, name: str, default: Any) -> Any:
+        with self._session() as session:
+            row = session.get(SettingRow, name)
+            return default if row is None else json.loads(row.value)
+
+    def set_setting(self, name: str, value: Any) -> None:
+        with self._session() as session:
+            row = session.get(SettingRow, name)
+            if row is None:
+                session.add(SettingRow(name=name, value=json.dumps(value)))
+            else:
+                row.value = json.dumps(value)
+

@@ -1,0 +1,222 @@
+"""The job queue on a real Ray cluster: real jobs through Ray's job server, queued with
+`raydeck submit --queue`, ordered by the policy, held by team quotas, surviving its actor.
+
+The module starts one head (`ray start --head`, token auth) that Ray believes has 4 GPUs and 8
+CPUs; the jobs (tests/fixtures/queue_job.py) hold their preset's resources by running, and
+write when they started and ended to a shared file, which is what the tests read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.conftest import TEST_ENV
+from tests.fixtures.processes import wait_until
+from tests.fixtures.prometheus import DASHBOARDS_DIR, PrometheusServer, for_ray_session
+from tests.fixtures.ray_head import RayHead
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+PRESETS = {
+    "q1": {"num_workers": 1, "cpus_per_worker": 1, "gpus_per_worker": 1},
+    "q2": {"num_workers": 2, "cpus_per_worker": 1, "gpus_per_worker": 1},
+    "q8": {"num_workers": 8, "cpus_per_worker": 1, "gpus_per_worker": 1},
+}
+TEAMS = {"a": {"gpus": 2}, "b": {"weight": 2}, "c": {}}
+CLI_TIMEOUT_S = 120
+
+
+@dataclass(frozen=True)
+class Cluster:
+    head: RayHead
+    workdir: Path
+    env: dict[str, str]
+    log: Path
+    prometheus: PrometheusServer
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "raydeck.cli", *args], cwd=self.workdir,
+                              env=self.env, capture_output=True, text=True,
+                              timeout=CLI_TIMEOUT_S)
+
+    def submit(self, name: str, preset: str, seconds: float, team: str, priority: int = 0,
+               ) -> subprocess.CompletedProcess[str]:
+        return self.cli("submit", "queue_job.py", "--queue", "--no-check", "--runtime-env",
+                        "runtime.yaml", "--preset", preset, "--run-name", name, "--run-id",
+                        name, "--team", team, "--priority", str(priority), "--",
+                        "--seconds", str(seconds), "--log", str(self.log))
+
+    def events(self) -> dict[str, dict[str, list[float]]]:
+        """run name -> {"start": [times], "end": [times]}."""
+        found: dict[str, dict[str, list[float]]] = {}
+        if self.log.exists():
+            for line in self.log.read_text().splitlines():
+                event = json.loads(line)
+                found.setdefault(event["run"], {"start": [], "end": []})[event["event"]].append(
+                    event["t"])
+        return found
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory, raydeck_env: dict[str, str]
+            ) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("queue")
+    workdir = root / "work"
+    workdir.mkdir()
+    shutil.copy(FIXTURES / "queue_job.py", workdir / "queue_job.py")
+    (workdir / "runtime.yaml").write_text("working_dir: .\n")
+    (root / "presets.yaml").write_text(yaml.safe_dump(PRESETS))
+    env = {
+        **{k: v for k, v in os.environ.items()
+           if not k.startswith(("RAYDECK_", "RAY_", "MLFLOW_"))},
+        **{k: v for k, v in TEST_ENV.items() if k != "RAY_AUTH_MODE"},
+        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        "RAYDECK_TRACKING_URI": raydeck_env["RAYDECK_TRACKING_URI"],
+        "RAYDECK_DATA_DIR": str(root / "data"),
+        "RAYDECK_PRESETS_FILE": str(root / "presets.yaml"),
+    }
+    head = RayHead(root / "head", env, num_cpus=8, num_gpus=4).start()
+    prometheus = None
+    try:
+        # Scraping from the start: the Queue dashboard's rates need the jobs' whole history.
+        prometheus = for_ray_session(root / "prometheus", head.temp_dir / "session_latest")
+        yield Cluster(head, workdir, {**env, **head.client_env, "COLUMNS": "250",
+                                      "RAYDECK_RAY_ADDRESS": head.gcs_address},
+                      root / "runs.jsonl", prometheus)
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        head.stop()
+
+
+def _ok(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    return lines[0]
+
+
+def _row(listing: str, job: str) -> str:
+    return next(line for line in listing.splitlines() if job in line)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_bad_input_is_one_line_exit_2_and_queues_nothing(cluster: Cluster) -> None:
+    _ok(cluster.cli("queue", "--policy", "priority", "--teams", str(_teams(cluster))))
+    assert "is not one of the queue's teams: a, b, c" in _one_error_line(
+        cluster.submit("bad-team", "q1", 1, "nobody"))
+    assert "--priority=-1" in _one_error_line(cluster.submit("bad-prio", "q1", 1, "a", -1))
+    assert "the whole cluster has 4 GPU, 8 CPU: it could never start" in _one_error_line(
+        cluster.submit("too-large", "q8", 1, "b"))
+    estimate = cluster.cli("submit", "queue_job.py", "--queue", "--runtime-env",
+                           "runtime.yaml", "--preset", "q1", "--team", "a", "--estimate",
+                           "soon")
+    assert "duration 'soon'" in _one_error_line(estimate)
+    assert "policy 'lottery' is not one of" in _one_error_line(
+        cluster.cli("queue", "--policy", "lottery"))
+    listing = _ok(cluster.cli("queue"))
+    assert "policy priority" in listing
+    for name in ("bad-team", "bad-prio", "too-large"):
+        assert name not in listing
+
+
+def _teams(cluster: Cluster) -> Path:
+    path = cluster.workdir.parent / "teams.yaml"
+    path.write_text(yaml.safe_dump(TEAMS))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_three_teams_start_in_priority_order_within_quotas_and_each_job_once(
+        cluster: Cluster) -> None:
+    _ok(cluster.cli("queue", "--policy", "priority", "--teams", str(_teams(cluster))))
+    # a1 and b1 fill the 4 GPUs; a2 waits on team a's quota (2 GPUs); c2 (priority 5) goes
+    # before the older c1 and a2 when a1 ends.
+    _ok(cluster.submit("a1", "q2", 40, "a"))
+    _ok(cluster.submit("b1", "q2", 60, "b"))
+    wait_until(lambda: {"a1", "b1"} <= set(cluster.events()), 60, "a1 and b1 to start")
+    _ok(cluster.submit("a2", "q1", 5, "a"))
+    _ok(cluster.submit("c1", "q1", 3, "c"))
+    _ok(cluster.submit("c2", "q1", 5, "c", priority=5))
+
+    listing = _ok(cluster.cli("queue"))
+    assert "team a uses 2 GPU, 2 CPU of its 2 GPU" in _row(listing, "raydeck-a2"), listing
+    positions = {job: _row(listing, f"raydeck-{job}").split()[1]
+                 for job in ("c2", "a2", "c1")}
+    assert positions == {"c2": "1", "a2": "2", "c1": "3"}, listing
+
+    wait_until(lambda: all(len(cluster.events().get(job, {}).get("end", [])) == 1
+                           for job in ("a1", "b1", "a2", "c1", "c2")), 240, "every job to end")
+    events = cluster.events()
+    start = {job: times["start"][0] for job, times in events.items()}
+    end = {job: times["end"][0] for job, times in events.items()}
+    assert all(len(times["start"]) == 1 for times in events.values()), events
+    assert start["a2"] >= end["a1"], "team a's quota of 2 GPUs was exceeded"
+    assert start["c2"] >= end["a1"] and start["c1"] >= max(start["c2"], start["a2"])
+    print(f"\nqueue: a1 ended {end['a1'] - start['a1']:.0f} s after it started; c2 and a2 "
+          f"started {start['c2'] - end['a1']:.1f} / {start['a2'] - end['a1']:.1f} s later")
+    final = _ok(cluster.cli("jobs"))
+    for job in ("a1", "b1", "a2", "c1", "c2"):
+        assert "SUCCEEDED" in _row(final, f"raydeck-{job}")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_queue_dashboard_has_data_for_every_panel(cluster: Cluster) -> None:
+    from raydeck.observability.dashboards import check, load_dashboards
+    from raydeck.observability.metrics import METRICS
+
+    dashboard = [d for d in load_dashboards(DASHBOARDS_DIR) if d.uid == "raydeck-queue"]
+
+    def every_panel_has_data() -> bool:
+        results = check(dashboard, cluster.prometheus.client, range_s=900, rate_interval_s=300)
+        assert not [r.error for r in results if r.error]
+        return not [r for r in results if not r.series]
+
+    wait_until(every_panel_has_data, 120, "every Queue panel to have data", interval_s=2)
+    queue = [m for m in METRICS if m.name.startswith("raydeck_queue_")]
+    assert not cluster.prometheus.unexported(queue, 900)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_queue_actor_loses_and_repeats_nothing(cluster: Cluster) -> None:
+    _ok(cluster.cli("queue", "--policy", "fifo"))
+    # Submitting takes seconds per job: the long ones hold the 4 GPUs well past the checks.
+    _ok(cluster.submit("long", "q2", 60, "b"))
+    _ok(cluster.submit("long2", "q2", 60, "b"))
+    _ok(cluster.submit("w1", "q2", 3, "b"))
+    _ok(cluster.submit("w2", "q1", 3, "c"))
+    before = _ok(cluster.cli("queue"))
+    assert "queued" in _row(before, "raydeck-w1") and "queued" in _row(before, "raydeck-w2")
+    killed = subprocess.run(
+        [sys.executable, "-c", "import ray; ray.init(address='auto', logging_level='ERROR'); "
+         "ray.kill(ray.get_actor('raydeck-queue', namespace='raydeck'), no_restart=True)"],
+        env={**cluster.env, "RAY_ADDRESS": cluster.head.gcs_address}, capture_output=True,
+        text=True, timeout=CLI_TIMEOUT_S)
+    assert killed.returncode == 0, killed.stderr
+    # `raydeck queue` starts the queue again; it reads every job back from its database.
+    listing = _ok(cluster.cli("queue"))
+    assert "raydeck-w1" in listing and "raydeck-w2" in listing, listing
+    wait_until(lambda: all(len(cluster.events().get(job, {}).get("end", [])) == 1
+                           for job in ("long", "long2", "w1", "w2")), 240, "every job to end")
+    events: dict[str, Any] = cluster.events()
+    for job in ("long", "long2", "w1", "w2"):
+        assert len(events[job]["start"]) == 1, (job, events[job])
