@@ -311,10 +311,10 @@ def test_raydeck_submit_runs_the_lightning_job_then_lists_it(
     assert f"registered: models:/{model_name}/1" in out
     version = mlflow_client.get_model_version(model_name, "1")
     assert version.tags["raydeck.run_id"] == run.info.run_id
-    assert float(version.tags["raydeck.metric.val_accuracy"]) == pytest.approx(
-        run.data.metrics["val_accuracy"])
+    rank_zero = run.data.metrics["val_accuracy/rank_0"]  # all_ranks mode: one key per rank
+    assert float(version.tags["raydeck.metric.val_accuracy"]) == pytest.approx(rank_zero)
     assert _raw_accuracy(mlflow_client, f"models:/{model_name}/1") == pytest.approx(
-        run.data.metrics["val_accuracy"], abs=0.03)  # a rank's half of the split vs all of it
+        rank_zero, abs=0.03)  # a rank's half of the split vs all of it
 
     listed = _raydeck("jobs", env=env, timeout=120)
     assert listed.returncode == 0, listed.stderr

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,11 +148,12 @@ def _teams(cluster: Cluster) -> Path:
 def test_three_teams_start_in_priority_order_within_quotas_and_each_job_once(
         cluster: Cluster) -> None:
     _ok(cluster.cli("queue", "--policy", "priority", "--teams", str(_teams(cluster))))
-    # a1 and b1 fill the 4 GPUs; a2 waits on team a's quota (2 GPUs); c2 (priority 5) goes
-    # before the older c1 and a2 when a1 ends.
-    _ok(cluster.submit("a1", "q2", 40, "a"))
-    _ok(cluster.submit("b1", "q2", 60, "b"))
-    wait_until(lambda: {"a1", "b1"} <= set(cluster.events()), 60, "a1 and b1 to start")
+    # a1 and b1 fill the 4 GPUs until they are cancelled (so how long the submissions take
+    # does not matter); a2 waits on team a's quota (2 GPUs); c2 (priority 5) goes before the
+    # older a2 and c1 once a1 is gone; c1 waits until one of them ends (b1 still holds 2).
+    _ok(cluster.submit("a1", "q2", 600, "a"))
+    _ok(cluster.submit("b1", "q2", 600, "b"))
+    wait_until(lambda: {"a1", "b1"} <= set(cluster.events()), 120, "a1 and b1 to start")
     _ok(cluster.submit("a2", "q1", 5, "a"))
     _ok(cluster.submit("c1", "q1", 3, "c"))
     _ok(cluster.submit("c2", "q1", 5, "c", priority=5))
@@ -162,19 +164,27 @@ def test_three_teams_start_in_priority_order_within_quotas_and_each_job_once(
                  for job in ("c2", "a2", "c1")}
     assert positions == {"c2": "1", "a2": "2", "c1": "3"}, listing
 
+    cancelled_at = time.time()
+    assert "cancelled raydeck-a1" in _ok(cluster.cli("cancel", "raydeck-a1"))
     wait_until(lambda: all(len(cluster.events().get(job, {}).get("end", [])) == 1
-                           for job in ("a1", "b1", "a2", "c1", "c2")), 240, "every job to end")
+                           for job in ("a2", "c1", "c2")), 240, "a2, c1 and c2 to end")
+    _ok(cluster.cli("cancel", "raydeck-b1"))
     events = cluster.events()
     start = {job: times["start"][0] for job, times in events.items()}
-    end = {job: times["end"][0] for job, times in events.items()}
+    end = {job: times["end"][0] for job, times in events.items() if times["end"]}
     assert all(len(times["start"]) == 1 for times in events.values()), events
-    assert start["a2"] >= end["a1"], "team a's quota of 2 GPUs was exceeded"
-    assert start["c2"] >= end["a1"] and start["c1"] >= max(start["c2"], start["a2"])
-    print(f"\nqueue: a1 ended {end['a1'] - start['a1']:.0f} s after it started; c2 and a2 "
-          f"started {start['c2'] - end['a1']:.1f} / {start['a2'] - end['a1']:.1f} s later")
+    assert start["a2"] >= cancelled_at, "team a's quota of 2 GPUs was exceeded"
+    assert start["c2"] >= cancelled_at
+    assert start["c1"] >= min(end["c2"], end["a2"]), "c1 started before a GPU was free"
+    print(f"\nqueue: after a1 was cancelled, c2 and a2 started in "
+          f"{start['c2'] - cancelled_at:.1f} / {start['a2'] - cancelled_at:.1f} s; c1 "
+          f"{start['c1'] - min(end['c2'], end['a2']):.1f} s after a GPU was free")
     final = _ok(cluster.cli("jobs"))
-    for job in ("a1", "b1", "a2", "c1", "c2"):
+    for job in ("a2", "c1", "c2"):
         assert "SUCCEEDED" in _row(final, f"raydeck-{job}")
+    for job in ("a1", "b1"):
+        wait_until(lambda j=job: "STOPPED" in _row(_ok(cluster.cli("jobs")), f"raydeck-{j}"),
+                   60, f"{job} to stop")
 
 
 @pytest.mark.slow

@@ -155,8 +155,9 @@ def register_run_model(tracking_uri: str, run_id: str, name: str,
     """Register the ``model`` artifact of run ``run_id`` as a new version of ``name``.
 
     The version's tags point back to where it came from: the run, its git commit (the run's
-    ``mlflow.source.git.commit``) and, with ``metric``, the run's final value of it, so
-    ``raydeck models show`` answers "which run, which code, how good" without opening the run.
+    ``mlflow.source.git.commit``) and, with ``metric``, the run's final value of it (rank 0's
+    in ``all_ranks`` mode), so ``raydeck models show`` answers "which run, which code, how
+    good" without opening the run.
 
     Raises:
         ConfigError: the run logged no model, or ``name`` is not a valid model name.
@@ -174,8 +175,11 @@ def register_run_model(tracking_uri: str, run_id: str, name: str,
     commit = run.data.tags.get("mlflow.source.git.commit")
     if commit:
         tags[COMMIT_TAG] = commit
-    if metric and metric in run.data.metrics:
-        tags[METRIC_TAG_PREFIX + metric] = json.dumps(run.data.metrics[metric])
+    # A run tracked in all_ranks mode holds each rank's value as `<metric>/rank_<n>`: rank 0's.
+    value = run.data.metrics.get(metric, run.data.metrics.get(f"{metric}/rank_0")) \
+        if metric else None
+    if metric and value is not None:
+        tags[METRIC_TAG_PREFIX + metric] = json.dumps(value)
     previous = mlflow.get_tracking_uri()
     mlflow.set_tracking_uri(tracking_uri)
     try:
