@@ -38,7 +38,8 @@ CHECK_STEP_S = 2.0
 CHECK_RATE_INTERVAL_S = 10.0
 PLAIN_GAUGE = "raydeck_test_plain_gauge"
 RAY_DASHBOARDS_SUBDIR = Path("metrics/grafana/dashboards")
-# Checked with live traffic by tests/test_serving.py and tests/test_queue.py.
+# Exported only by a Serve replica or the queue actor, which this module does not run: Serving's
+# are checked live by tests/test_serving.py; the Queue dashboard is not yet checked live.
 LIVE_ELSEWHERE = ("raydeck-serving", "raydeck-queue")
 LIVE_ELSEWHERE_METRICS = ("raydeck_serving_", "raydeck_queue_")
 
@@ -195,7 +196,7 @@ def test_training_stalled_fires_live_when_a_running_job_stops_progressing(
 
 def test_every_declared_metric_reaches_prometheus_with_its_labels(
         observed: Observed, prometheus: PrometheusServer) -> None:
-    # Serving's and the queue's metrics come from their own processes; their tests check them.
+    # Serving's and the queue's metrics come from processes this module does not run.
     here = [spec for spec in METRICS if not spec.name.startswith(LIVE_ELSEWHERE_METRICS)]
     assert not prometheus.unexported(here, observed.range_s())
 
@@ -285,7 +286,7 @@ def test_rays_own_dashboards_are_written_by_ray_and_generated_at_deploy_time(
 
 
 def _observed_dashboards() -> list[Any]:
-    """Every dashboard but those checked with live traffic by their own tests."""
+    """Every dashboard whose metrics this module's processes export."""
     return [d for d in load_dashboards(DASHBOARDS_DIR) if d.uid not in LIVE_ELSEWHERE]
 
 

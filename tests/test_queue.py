@@ -24,7 +24,6 @@ import yaml
 
 from tests.conftest import TEST_ENV
 from tests.fixtures.processes import wait_until
-from tests.fixtures.prometheus import DASHBOARDS_DIR, PrometheusServer, for_ray_session
 from tests.fixtures.ray_head import RayHead
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -43,7 +42,6 @@ class Cluster:
     workdir: Path
     env: dict[str, str]
     log: Path
-    prometheus: PrometheusServer
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "raydeck.cli", *args], cwd=self.workdir,
@@ -87,16 +85,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, raydeck_env: dict[str, str
         "RAYDECK_PRESETS_FILE": str(root / "presets.yaml"),
     }
     head = RayHead(root / "head", env, num_cpus=8, num_gpus=4).start()
-    prometheus = None
     try:
-        # Scraping from the start: the Queue dashboard's rates need the jobs' whole history.
-        prometheus = for_ray_session(root / "prometheus", head.temp_dir / "session_latest")
         yield Cluster(head, workdir, {**env, **head.client_env, "COLUMNS": "250",
                                       "RAYDECK_RAY_ADDRESS": head.gcs_address},
-                      root / "runs.jsonl", prometheus)
+                      root / "runs.jsonl")
     finally:
-        if prometheus is not None:
-            prometheus.stop()
         head.stop()
 
 
@@ -182,27 +175,8 @@ def test_three_teams_start_in_priority_order_within_quotas_and_each_job_once(
     final = _ok(cluster.cli("jobs"))
     for job in ("a2", "c1", "c2"):
         assert "SUCCEEDED" in _row(final, f"raydeck-{job}")
-    for job in ("a1", "b1"):
-        wait_until(lambda j=job: "STOPPED" in _row(_ok(cluster.cli("jobs")), f"raydeck-{j}"),
-                   60, f"{job} to stop")
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_the_queue_dashboard_has_data_for_every_panel(cluster: Cluster) -> None:
-    from raydeck.observability.dashboards import check, load_dashboards
-    from raydeck.observability.metrics import METRICS
-
-    dashboard = [d for d in load_dashboards(DASHBOARDS_DIR) if d.uid == "raydeck-queue"]
-
-    def every_panel_has_data() -> bool:
-        results = check(dashboard, cluster.prometheus.client, range_s=900, rate_interval_s=300)
-        assert not [r.error for r in results if r.error]
-        return not [r for r in results if not r.series]
-
-    wait_until(every_panel_has_data, 120, "every Queue panel to have data", interval_s=2)
-    queue = [m for m in METRICS if m.name.startswith("raydeck_queue_")]
-    assert not cluster.prometheus.unexported(queue, 900)
+    after = _ok(cluster.cli("queue"))
+    assert "raydeck-a1" not in after and "raydeck-b1" not in after, after
 
 
 @pytest.mark.slow
