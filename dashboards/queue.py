@@ -13,6 +13,7 @@ from raydeck.observability.dashboards import (
     Row,
     Target,
     Variable,
+    quantile_target,
     selector,
 )
 from raydeck.observability.metrics import (
@@ -34,10 +35,7 @@ def _jobs_in(state: str) -> Target:
 
 
 def _quantile(metric: MetricSpec, quantile: float) -> Target:
-    buckets = selector(metric, *FILTERS, suffix="_bucket")
-    return Target(f"histogram_quantile({quantile}, sum by (team, le) "
-                  f"(rate({buckets}[$__rate_interval])))",
-                  f"{{{{team}}}} p{round(quantile * 100)}")
+    return quantile_target(metric, quantile, FILTERS, by="team")
 
 
 queue_row = Row("Queue", (

@@ -15,6 +15,7 @@ from raydeck.observability.dashboards import (
     Target,
     Threshold,
     Variable,
+    quantile_target,
     selector,
 )
 from raydeck.observability.metrics import (
@@ -39,10 +40,7 @@ def _rate(metric: str, by: str, *matchers: str) -> str:
 
 
 def _quantile(metric: str, quantile: float, by: str) -> Target:
-    buckets = selector(metric, *SERVE_FILTERS, suffix="_bucket")
-    return Target(f"histogram_quantile({quantile}, sum by ({by}, le) "
-                  f"(rate({buckets}[$__rate_interval])))",
-                  f"{{{{{by.split(', ')[-1]}}}}} p{round(quantile * 100)}")
+    return quantile_target(metric, quantile, SERVE_FILTERS, by=by)
 
 
 traffic_row = Row("Traffic", (

@@ -12,6 +12,7 @@ from raydeck.observability.dashboards import (
     Row,
     Target,
     Threshold,
+    quantile_target,
     selector,
 )
 from raydeck.observability.metrics import (
@@ -26,12 +27,10 @@ from raydeck.observability.metrics import (
 )
 
 SPOOL_WARNING_BYTES = 1024**3
-LATENCY_BUCKETS = selector(TRACKING_WRITE_LATENCY, CLUSTER_FILTER, suffix="_bucket")
 
 
 def _latency_quantile(quantile: float) -> Target:
-    return Target(f"histogram_quantile({quantile}, sum by (le) "
-                  f"(rate({LATENCY_BUCKETS}[$__rate_interval])))", f"p{round(quantile * 100)}")
+    return quantile_target(TRACKING_WRITE_LATENCY, quantile, (CLUSTER_FILTER,))
 
 
 throughput_row = Row("Throughput", (

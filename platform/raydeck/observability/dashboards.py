@@ -332,6 +332,17 @@ def selector(metric: MetricSpec | str, *matchers: str, suffix: str = "") -> str:
     return f"{name}{suffix}{{{', '.join(m for m in matchers if m)}}}"
 
 
+def quantile_target(metric: MetricSpec | str, quantile: float, matchers: tuple[str, ...],
+                    by: str = "") -> Target:
+    """``histogram_quantile`` of a histogram's rate, per ``by`` (a label; all together when
+    empty), with the legend ``{{by}} pNN``."""
+    buckets = selector(metric, *matchers, suffix="_bucket")
+    percent = f"p{round(quantile * 100)}"
+    return Target(f"histogram_quantile({quantile}, sum by ({f'{by}, le' if by else 'le'}) "
+                  f"(rate({buckets}[$__rate_interval])))",
+                  f"{{{{{by}}}}} {percent}" if by else percent)
+
+
 CLUSTER = Variable(
     "cluster", "Cluster", f"label_values(ray_node_cpu_count, {CLUSTER_LABEL})",
     "Ray cluster: the ray_io_cluster label (`raydeck monitoring config --cluster-name`, or "
