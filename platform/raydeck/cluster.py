@@ -210,3 +210,15 @@ def nodes() -> list[NodeView]:
         for n in ray.nodes()
     ]
     return sorted(views, key=lambda v: (not v.is_head, v.address))
+
+
+def connect_running(address: str = "") -> None:
+    """Connect to the running cluster a command is about: ``address`` (raydeck's
+    ``ray_address``), else ``RAY_ADDRESS`` unless it is the job server's ``http://`` URL (as
+    for ``ray job submit``), else the cluster started on this machine.
+
+    Raises:
+        ClusterUnavailableError: nothing answers there.
+    """
+    address = address or os.environ.get("RAY_ADDRESS", "")
+    connect_existing(address if address and not address.startswith("http") else "auto")

@@ -137,16 +137,11 @@ def _started_ray_here() -> bool:
     return bool(node is not None and node.head and not os.environ.get("RAY_ADDRESS"))
 
 
-def _connect(address: str) -> None:
-    from raydeck.cluster import connect_existing
-
-    connect_existing(address or os.environ.get("RAY_ADDRESS") or "auto")
-
-
 def _status(address: str) -> None:
+    from raydeck.cluster import connect_running
     from raydeck.serving import status
 
-    _connect(address)
+    connect_running(address)
     rows = status()
     if not rows:
         err_console.print("no Serve applications are running")
@@ -164,8 +159,9 @@ def _status(address: str) -> None:
 
 
 def _stop(address: str, name: str | None) -> None:
+    from raydeck.cluster import connect_running
     from raydeck.serving import stop
 
-    _connect(address)
+    connect_running(address)
     deleted = stop(name)
     console.print(f"deleted {', '.join(deleted)}" if deleted else "nothing was running")

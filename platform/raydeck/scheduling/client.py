@@ -11,24 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from raydeck.cluster import connect_running
 from raydeck.config import Settings
 from raydeck.jobs import JobRequest, JobServer, submitted_metadata, submitted_runtime_env
 from raydeck.scheduling.actor import answer, queue_handle
 from raydeck.scheduling.policies import Resources
 from raydeck.scheduling.queue import DEFAULT_TEAM, Entry, JobSpec
 from raydeck.scheduling.store import JobView
-
-
-def _connect(settings: Settings) -> None:
-    from raydeck.cluster import connect_existing
-
-    address = settings.ray_address or os.environ.get("RAY_ADDRESS", "")
-    connect_existing(address if address and not address.startswith("http") else "auto")
 
 
 def _package(runtime_env: dict[str, Any]) -> tuple[dict[str, Any], str, bytes | None]:
@@ -72,7 +65,7 @@ def enqueue(settings: Settings, server: JobServer, spec: JobSpec, package: bytes
             ) -> JobView:
     import ray
 
-    _connect(settings)
+    connect_running(settings.ray_address)
     handle = queue_handle(server, settings.ray_namespace)
     return answer(ray.get(handle.submit.remote(spec, package)))
 
@@ -83,7 +76,7 @@ def listing(settings: Settings, server: JobServer, policy: str | None = None,
     """The queue's policy and entries, after applying any new policy or teams."""
     import ray
 
-    _connect(settings)
+    connect_running(settings.ray_address)
     handle = queue_handle(server, settings.ray_namespace)
     if policy is not None or aging_s is not None or teams is not None:
         answer(ray.get(handle.configure.remote(policy, aging_s, teams)))
@@ -93,6 +86,6 @@ def listing(settings: Settings, server: JobServer, policy: str | None = None,
 def cancel(settings: Settings, server: JobServer, job_id: str) -> JobView:
     import ray
 
-    _connect(settings)
+    connect_running(settings.ray_address)
     handle = queue_handle(server, settings.ray_namespace)
     return answer(ray.get(handle.cancel.remote(job_id)))
