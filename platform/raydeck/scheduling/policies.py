@@ -89,6 +89,15 @@ class RunningJob:
         return self.started_s + self.job.estimate_s
 
 
+def team_usage(team: str, running: Sequence[RunningJob]) -> Resources:
+    """What ``team``'s running jobs hold."""
+    used = Resources()
+    for other in running:
+        if other.job.team == team:
+            used = used + other.job.needs
+    return used
+
+
 class Policy(abc.ABC):
     """Decides which queued jobs start now. Subclasses give the order (and may override
     :meth:`decide`)."""
@@ -118,13 +127,7 @@ class Policy(abc.ABC):
     def allowed(self, job: QueuedJob, running: Sequence[RunningJob]) -> bool:
         """Whether the job's team stays within its quota (if it has one) with ``job``."""
         quota = self.quotas.get(job.team)
-        if quota is None:
-            return True
-        used = Resources()
-        for other in running:
-            if other.job.team == job.team:
-                used = used + other.job.needs
-        return quota.fits(used + job.needs)
+        return quota is None or quota.fits(team_usage(job.team, running) + job.needs)
 
     def ended(self, job: RunningJob, now: float) -> None:
         """A job released its resources at ``now`` (fair share charges its team)."""
@@ -279,19 +282,24 @@ POLICIES = ("fifo", "priority", "sjf", "fairshare", "backfill")
 
 
 def make_policy(name: str, aging_s: float = DEFAULT_AGING_S,
-                quotas: Mapping[str, Resources] | None = None) -> Policy:
-    """A policy by name (``raydeck queue --policy``, the simulator's ``--policy``).
+                quotas: Mapping[str, Resources] | None = None,
+                weights: Mapping[str, float] | None = None) -> Policy:
+    """A policy by name (``raydeck queue --policy``, the simulator's ``--policy``), holding
+    ``quotas``; fair share weighs teams by ``weights``.
 
     Raises:
         ConfigError: an unknown name, listing the known ones.
     """
-    makers = {"fifo": Fifo, "priority": PriorityAging, "sjf": ShortestJobFirst,
-              "fairshare": FairShare}
-    if name == "backfill":
-        return Backfill(Fifo(aging_s, quotas))
-    if name.startswith("backfill-") and name.removeprefix("backfill-") in makers:
-        return Backfill(makers[name.removeprefix("backfill-")](aging_s=aging_s, quotas=quotas))
-    if name not in makers:
+    base = name.removeprefix("backfill-") if name != "backfill" else "fifo"
+    if base == "fifo":
+        policy: Policy = Fifo(aging_s, quotas)
+    elif base == "priority":
+        policy = PriorityAging(aging_s, quotas)
+    elif base == "sjf":
+        policy = ShortestJobFirst(aging_s, quotas)
+    elif base == "fairshare":
+        policy = FairShare(weights, quotas, aging_s=aging_s)
+    else:
         raise ConfigError(f"policy {name!r} is not one of {', '.join(POLICIES)} "
                           "(or backfill-<policy>)")
-    return makers[name](aging_s=aging_s, quotas=quotas)
+    return Backfill(policy) if base != name or name == "backfill" else policy

@@ -28,13 +28,12 @@ import numpy as np
 from raydeck.errors import ConfigError, JobSubmissionError
 from raydeck.scheduling.policies import (
     DEFAULT_AGING_S,
-    Backfill,
-    FairShare,
     Policy,
     QueuedJob,
     Resources,
     RunningJob,
     make_policy,
+    team_usage,
 )
 from raydeck.scheduling.store import ACTIVE, JobRow, JobView, Store
 
@@ -185,13 +184,7 @@ class JobQueue:
         teams = self.teams()
         weights = {t.name: t.weight for t in teams.values()}
         quotas = {t.name: t.quota for t in teams.values() if t.quota is not None}
-        share = FairShare(weights, quotas, aging_s=aging_s)
-        if name == "fairshare":
-            policy: Policy = share
-        elif name == "backfill-fairshare":
-            policy = Backfill(share)
-        else:
-            policy = make_policy(name, aging_s, quotas)
+        policy = make_policy(name, aging_s, quotas, weights)
         # Fair share remembers usage: replay what ended (decay makes old history vanish).
         for row in self._store.jobs("succeeded", "failed", "stopped", "cancelled"):
             if row.started_at is not None and row.ended_at is not None:
@@ -259,14 +252,14 @@ class JobQueue:
     def listing(self) -> list[Entry]:
         """Every job not ended, in start order, with why it waits and when it should start."""
         now = self._clock()
-        queued = [_queued(r) for r in self._store.jobs("queued")]
+        rows = {r.id: r for r in self._store.jobs("queued")}
+        queued = [_queued(r) for r in rows.values()]
         active = self._store.jobs(*ACTIVE)
         running = [RunningJob(_queued(r), r.started_at or now) for r in active]
-        free, total = self._free()
+        free, total = self._free(active)
         ordered = self._policy.order(queued, running, now)
         predicted = self._predicted_starts(ordered, running, total, now)
         entries = [Entry(JobView.of(r), None, r.started_at, r.state) for r in active]
-        rows = {r.id: r for r in self._store.jobs("queued")}
         for position, job in enumerate(ordered, start=1):
             entries.append(Entry(JobView.of(rows[job.id]), position, predicted.get(job.id),
                                  self._why(job, ordered, running, free)))
@@ -276,10 +269,7 @@ class JobQueue:
              free: Resources) -> str:
         team = self.teams().get(job.team)
         if team is not None and team.quota is not None:
-            used = Resources()
-            for other in running:
-                if other.job.team == job.team:
-                    used = used + other.job.needs
+            used = team_usage(job.team, running)
             if not team.quota.fits(used + job.needs):
                 return (f"needs {job.needs.describe()}; team {job.team} uses {used.describe()} "
                         f"of its {team.quota.describe()}")
@@ -332,7 +322,7 @@ class JobQueue:
             return []
         active = self._store.jobs(*ACTIVE)
         running = [RunningJob(_queued(r), r.started_at or now) for r in active]
-        free, total = self._free()
+        free, total = self._free(active)
         started = []
         for job in self._policy.decide(queued, running, free, total, now):
             chosen = self._store.get(job.id)
@@ -368,10 +358,11 @@ class JobQueue:
         elif row.state == "starting":
             self._store.update(row.id, state="running")
 
-    def _free(self) -> tuple[Resources, Resources]:
+    def _free(self, active: list[JobRow]) -> tuple[Resources, Resources]:
+        """Free and total resources, ``active`` being the queue's started jobs."""
         available, total = self._launcher.resources()
         held = Resources()
-        for row in self._store.jobs(*ACTIVE):
+        for row in active:
             held = held + Resources(row.cpus, row.gpus)
         by_reservation = total - held
         return (Resources(min(available.cpus, by_reservation.cpus),
