@@ -20,9 +20,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import TEST_ENV
 from tests.fixtures.processes import free_port
-from tests.fixtures.ray_head import RayHead
+from tests.fixtures.ray_head import RayHead, head_env
 
 REPO = Path(__file__).resolve().parents[1]
 RUNTIME_ENVS = sorted((REPO / "runtime_envs").glob("*.yaml"))
@@ -39,14 +38,7 @@ def _clean_env() -> dict[str, str]:
 def ray_head(tmp_path_factory: pytest.TempPathFactory, raydeck_env: dict[str, str]
              ) -> Iterator[RayHead]:
     root = tmp_path_factory.mktemp("ray-head")
-    venv_bin = str(Path(sys.executable).parent)
-    env = {
-        **_clean_env(),
-        **{k: v for k, v in TEST_ENV.items() if k != "RAY_AUTH_MODE"},
-        "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
-        "RAYDECK_TRACKING_URI": raydeck_env["RAYDECK_TRACKING_URI"],
-        "RAYDECK_DATA_DIR": str(root / "data"),
-    }
+    env = head_env(raydeck_env["RAYDECK_TRACKING_URI"], root / "data")
     head = RayHead(root, env).start()
     yield head
     head.stop()

@@ -9,7 +9,6 @@ write when they started and ended to a shared file, which is what the tests read
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -22,9 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.conftest import TEST_ENV
 from tests.fixtures.processes import wait_until
-from tests.fixtures.ray_head import RayHead
+from tests.fixtures.ray_head import RayHead, head_env
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 PRESETS = {
@@ -75,15 +73,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, raydeck_env: dict[str, str
     shutil.copy(FIXTURES / "queue_job.py", workdir / "queue_job.py")
     (workdir / "runtime.yaml").write_text("working_dir: .\n")
     (root / "presets.yaml").write_text(yaml.safe_dump(PRESETS))
-    env = {
-        **{k: v for k, v in os.environ.items()
-           if not k.startswith(("RAYDECK_", "RAY_", "MLFLOW_"))},
-        **{k: v for k, v in TEST_ENV.items() if k != "RAY_AUTH_MODE"},
-        "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
-        "RAYDECK_TRACKING_URI": raydeck_env["RAYDECK_TRACKING_URI"],
-        "RAYDECK_DATA_DIR": str(root / "data"),
-        "RAYDECK_PRESETS_FILE": str(root / "presets.yaml"),
-    }
+    env = head_env(raydeck_env["RAYDECK_TRACKING_URI"], root / "data",
+                   RAYDECK_PRESETS_FILE=str(root / "presets.yaml"))
     head = RayHead(root / "head", env, num_cpus=8, num_gpus=4).start()
     try:
         yield Cluster(head, workdir, {**env, **head.client_env, "COLUMNS": "250",

@@ -376,16 +376,10 @@ def test_serve_deploy_runs_the_written_config_on_a_cluster_of_its_own(
         served: Served, tmp_path: Path, raydeck_env: dict[str, str]) -> None:
     """What README says for clusters: --config-out, then Ray's own `serve deploy`; replicas
     read the tracking URI from their node's environment (the config holds none)."""
-    from tests.conftest import TEST_ENV
-    from tests.fixtures.ray_head import RayHead
+    from tests.fixtures.ray_head import RayHead, head_env
 
     venv_bin = Path(sys.executable).parent
-    env = {**{k: v for k, v in os.environ.items()
-              if not k.startswith(("RAYDECK_", "RAY_", "MLFLOW_"))},
-           **{k: v for k, v in TEST_ENV.items() if k != "RAY_AUTH_MODE"},
-           "PATH": f"{venv_bin}:{os.environ.get('PATH', '')}",
-           "RAYDECK_TRACKING_URI": raydeck_env["RAYDECK_TRACKING_URI"],
-           "RAYDECK_DATA_DIR": str(tmp_path / "data")}
+    env = head_env(raydeck_env["RAYDECK_TRACKING_URI"], tmp_path / "data")
     head = RayHead(tmp_path / "head", env).start()
     try:
         port = free_port()
