@@ -20,6 +20,7 @@ from raydeck.config import Secret, load_settings
 from raydeck.stack import connection
 from raydeck.stack.credentials import Credentials, load_or_create
 from raydeck.stack.launchers import LAUNCHERS, StackContext
+from raydeck.stack.processes import free_port
 from raydeck.stack.services import (
     MARKER_ENV,
     NOT_LOCAL,
@@ -70,6 +71,19 @@ def test_local_ports_are_the_compose_containers_ports() -> None:
                     or re.search(rf"=\s*{number}\b", command) or number in published), (
                 f"{spec.name}: port {port.name}={number} is not where compose's "
                 f"{spec.compose_service} listens")
+
+
+def test_free_ports_never_give_one_port_twice() -> None:
+    """`ray start` refuses two components on one port; the kernel hands a just-closed port out
+    again often enough that 200 plain picks repeat one most of the time (CI saw it)."""
+    state = StackState()
+    for launcher in LAUNCHERS:
+        launcher.choose_internal_ports(state)
+    chosen = sorted(state.ports_in_use())
+    for _ in range(200):
+        chosen.append(free_port(set(chosen)))
+    assert len(chosen) == len(set(chosen)) == 200 + sum(
+        len(ports) for ports in state.internal_ports.values())
 
 
 def test_start_order_is_compose_depends_on() -> None:

@@ -192,7 +192,7 @@ class Launcher(abc.ABC):
         ports = state.internal_ports.setdefault(self.spec.name, {})
         for name in self.internal_port_names:
             if name not in ports or not port_free(ports[name]):
-                ports[name] = free_port()
+                ports[name] = free_port(state.ports_in_use())
 
 
 class PostgresLauncher(Launcher):
@@ -255,7 +255,7 @@ class S3Launcher(Launcher):
         ports = state.internal_ports[self.spec.name]
         admin = ports.get("admin.port")
         if admin is None or not (port_free(admin) and port_free(admin + WEED_ADMIN_GRPC_OFFSET)):
-            admin = _free_port_pair(WEED_ADMIN_GRPC_OFFSET)
+            admin = _free_port_pair(WEED_ADMIN_GRPC_OFFSET, state.ports_in_use())
         ports["admin.port"] = admin
         ports["admin.port.grpc"] = admin + WEED_ADMIN_GRPC_OFFSET
 
@@ -294,10 +294,10 @@ class S3Launcher(Launcher):
             raise StackError(f"s3: {exc}") from None
 
 
-def _free_port_pair(offset: int) -> int:
+def _free_port_pair(offset: int, taken: set[int]) -> int:
     for _ in range(100):
-        port = free_port()
-        if port + offset <= 65535 and port_free(port + offset):
+        port = free_port(taken)
+        if port + offset <= 65535 and port + offset not in taken and port_free(port + offset):
             return port
     raise StackError(f"s3: no free loopback port pair {offset} apart; free some ports")
 

@@ -17,12 +17,13 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+from raydeck.errors import StackError
 from raydeck.stack.services import LOOPBACK, MARKER_ENV, SERVICE_ENV
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ STOP_GRACE_S = 20.0
 KILL_WAIT_S = 10.0
 # psutil rounds start times; two readings of one process differ by less than this.
 CREATE_TIME_TOLERANCE_S = 0.05
+FREE_PORT_ATTEMPTS = 100
 
 
 @dataclass(frozen=True)
@@ -166,11 +168,22 @@ def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> None:
 
 
 # --- ports -------------------------------------------------------------------------------------
-def free_port() -> int:
-    """A TCP port on the loopback interface that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
+def free_port(taken: Collection[int] = ()) -> int:
+    """A TCP port on the loopback interface that nothing listens on right now and that is
+    not in ``taken``.
+
+    The kernel may hand out a port it handed out a moment ago (the socket asking for it is
+    closed again at once), so ports chosen for one service must be chosen against each other:
+    ``ray start`` refuses two components on one port.
+    """
+    for _ in range(FREE_PORT_ATTEMPTS):
+        with socket.socket() as sock:
+            sock.bind((LOOPBACK, 0))
+            port = int(sock.getsockname()[1])
+        if port not in taken:
+            return port
+    raise StackError(f"no free loopback port outside the {len(taken)} this stack uses; "
+                     "free some ports")
 
 
 def port_free(port: int) -> bool:

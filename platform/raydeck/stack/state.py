@@ -149,6 +149,11 @@ class StackState:
                    services=services, postgres_bin=str(document.get("postgres_bin", "")),
                    num_cpus=document.get("num_cpus"))
 
+    def ports_in_use(self) -> set[int]:
+        """Every port recorded for this stack, public and internal: a new one must differ."""
+        internal = {port for ports in self.internal_ports.values() for port in ports.values()}
+        return set(self.ports.values()) | internal
+
     def save(self, path: Path) -> None:
         """Write atomically (a crash never leaves half a file)."""
         document = asdict(self)

@@ -229,9 +229,10 @@ class Stack:
                             f"{requested[name]}, stop the stack first (`raydeck down`)")
                     state.ports[name] = requested[name]
                 elif recorded is None:
-                    state.ports[name] = processes.free_port() if free_ports else port_spec.default
+                    state.ports[name] = (processes.free_port(state.ports_in_use())
+                                         if free_ports else port_spec.default)
                 elif free_ports and spec.name not in running and not processes.port_free(recorded):
-                    state.ports[name] = processes.free_port()
+                    state.ports[name] = processes.free_port(state.ports_in_use())
         owners: dict[int, str] = {}
         for name, port in state.ports.items():
             if port in owners:
