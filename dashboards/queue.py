@@ -1,5 +1,5 @@
-"""Queue: how many jobs each team has waiting and running, how long they wait, and how good the
-queue's duration predictions are.
+"""Queue: how many jobs each team has waiting and running, how long they wait, how often the
+queue preempts their jobs, and how good the queue's duration predictions are.
 
 Reads the queue actor's metrics (raydeck.observability.metrics, ``QUEUE_*``). Rendered to
 grafana/raydeck-queue.json.
@@ -19,6 +19,7 @@ from raydeck.observability.dashboards import (
 from raydeck.observability.metrics import (
     QUEUE_DURATION_RATIO,
     QUEUE_JOBS,
+    QUEUE_PREEMPTIONS,
     QUEUE_WAIT,
     MetricSpec,
 )
@@ -45,6 +46,11 @@ queue_row = Row("Queue", (
           description="Jobs the queue started that have not ended."),
     Panel("Wait before start", (_quantile(QUEUE_WAIT, 0.5), _quantile(QUEUE_WAIT, 0.95)),
           unit="s", description="Seconds from `raydeck submit --queue` to the job's start."),
+    Panel("Preemptions", (Target(
+        f"sum by (team) (increase({selector(QUEUE_PREEMPTIONS, *FILTERS)}[$__rate_interval]))",
+        "{{team}}"),), stack=True,
+          description="Jobs of each team asked to stop at their next checkpoint for a job of "
+                      "higher priority; each resumes from that checkpoint in its MLflow run."),
     Panel("Duration / prediction", (_quantile(QUEUE_DURATION_RATIO, 0.5),
                                     _quantile(QUEUE_DURATION_RATIO, 0.9)),
           description="A finished job's duration over what the queue predicted (from earlier "
@@ -55,7 +61,7 @@ queue_row = Row("Queue", (
 DASHBOARD = Dashboard(
     uid="raydeck-queue",
     title="raydeck / Queue",
-    description="Queued and running jobs per team, waits and prediction error.",
+    description="Queued and running jobs per team, waits, preemptions and prediction error.",
     variables=(CLUSTER, TEAM),
     rows=(queue_row,),
 )

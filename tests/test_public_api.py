@@ -32,6 +32,8 @@ def test_the_no_op_tracker_overrides_every_call_that_would_reach_the_proxy() -> 
     methods = {name for name, v in vars(Tracker).items()
                if callable(v) and not name.startswith("_")} - properties
     kept = {"run_config"}  # builds a RunConfig from the binding; never touches the proxy
+    # Asks the job queue, never the proxy: a rank that tracks nothing is preempted like others.
+    kept.add("should_preempt")
     # MLflow's singular and file-writing spellings only call overridden methods
     # (log_metrics, log_params, set_tags, _log_file_as), so the no-op needs no copy of them.
     kept |= {"log_metric", "log_param", "set_tag", "log_dict", "log_text", "log_figure",

@@ -3,7 +3,9 @@
 
 The module starts one head (`ray start --head`, token auth) that Ray believes has 4 GPUs and 8
 CPUs; the jobs (tests/fixtures/queue_job.py) hold their preset's resources by running, and
-write when they started and ended to a shared file, which is what the tests read.
+write when they started and ended to a shared file, which is what the tests read. The
+preemption test runs the real digits job (jobs/digits_torch.py) on CPU presets and reads its
+MLflow runs.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ PRESETS = {
     "q1": {"num_workers": 1, "cpus_per_worker": 1, "gpus_per_worker": 1},
     "q2": {"num_workers": 2, "cpus_per_worker": 1, "gpus_per_worker": 1},
     "q8": {"num_workers": 8, "cpus_per_worker": 1, "gpus_per_worker": 1},
+    # Two of these never fit the 8 CPUs together.
+    "d5": {"num_workers": 1, "cpus_per_worker": 5},
 }
+REPO = Path(__file__).resolve().parents[1]
 TEAMS = {"a": {"gpus": 2}, "b": {"weight": 2}, "c": {}}
 CLI_TIMEOUT_S = 120
 
@@ -71,6 +76,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, raydeck_env: dict[str, str
     workdir = root / "work"
     workdir.mkdir()
     shutil.copy(FIXTURES / "queue_job.py", workdir / "queue_job.py")
+    shutil.copy(REPO / "jobs" / "digits_torch.py", workdir / "digits_torch.py")
     (workdir / "runtime.yaml").write_text("working_dir: .\n")
     (root / "presets.yaml").write_text(yaml.safe_dump(PRESETS))
     env = head_env(raydeck_env["RAYDECK_TRACKING_URI"], root / "data",
@@ -195,3 +201,80 @@ def test_a_killed_queue_actor_loses_and_repeats_nothing(cluster: Cluster) -> Non
     events: dict[str, Any] = cluster.events()
     for job in ("long", "long2", "w1", "w2"):
         assert len(events[job]["start"]) == 1, (job, events[job])
+
+
+def _job_info(cluster: Cluster, submission_id: str) -> Any:
+    from raydeck.jobs import JobServer
+
+    try:
+        return JobServer.from_env(env=cluster.head.client_env).client().get_job_info(
+            submission_id)
+    except RuntimeError:
+        return None  # not submitted yet
+
+
+def _ended(cluster: Cluster, submission_id: str) -> bool:
+    info = _job_info(cluster, submission_id)
+    return info is not None and info.status.value in ("SUCCEEDED", "FAILED", "STOPPED")
+
+
+def _run_of(client: Any, run_key: str) -> Any:
+    experiment = client.get_experiment_by_name("raydeck")
+    if experiment is None:
+        return None  # no job has created it yet
+    runs = client.search_runs([experiment.experiment_id],
+                              filter_string=f"tags.`raydeck.run_key` = '{run_key}'")
+    return runs[0] if runs else None
+
+
+def _latest_epoch(client: Any, run_key: str) -> int:
+    run = _run_of(client, run_key)
+    return int(run.data.tags.get("raydeck.checkpoint.latest_epoch", -1)) if run else -1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_low_priority_job_is_preempted_at_a_checkpoint_and_resumes_in_its_run(
+        cluster: Cluster, mlflow_client: Any) -> None:
+    _ok(cluster.cli("queue", "--policy", "priority"))
+    epochs = 60
+
+    def digits(name: str, priority: int, epochs: int) -> None:
+        _ok(cluster.cli("submit", "digits_torch.py", "--queue", "--no-check", "--runtime-env",
+                        "runtime.yaml", "--preset", "d5", "--run-name", name, "--run-id", name,
+                        "--team", "c", "--priority", str(priority), "--", "--epochs",
+                        str(epochs)))
+
+    digits("pre-low", 0, epochs)
+    wait_until(lambda: _latest_epoch(mlflow_client, "pre-low") >= 1, 300,
+               "the low-priority job to commit a checkpoint")
+    digits("pre-high", 5, 3)
+    asked_at = time.time()
+    wait_until(lambda: _ended(cluster, "raydeck-pre-low"), 120,
+               "the low-priority job to stop at its next checkpoint")
+    wait_until(lambda: _ended(cluster, "raydeck-pre-high"), 300, "the high-priority job to end")
+    wait_until(lambda: _ended(cluster, "raydeck-pre-low-r1"), 300,
+               "the low-priority job to resume and end")
+
+    stopped, high, resumed = (_job_info(cluster, f"raydeck-{job}")
+                              for job in ("pre-low", "pre-high", "pre-low-r1"))
+    assert stopped.status.value == "FAILED" and "75" in (stopped.message or ""), stopped
+    assert high.status.value == "SUCCEEDED" and resumed.status.value == "SUCCEEDED"
+    # Never both on the 8 CPUs: high started after low stopped, low resumed after high ended.
+    assert stopped.end_time <= high.start_time and high.end_time <= resumed.start_time
+
+    low_run = _run_of(mlflow_client, "pre-low")
+    tags = low_run.data.tags
+    assert low_run.info.status == "FINISHED"
+    assert tags["raydeck.preemptions"] == "1"
+    stopped_epoch = int(tags["raydeck.preemption.1"].removeprefix("stopped after epoch "))
+    assert 1 <= stopped_epoch < epochs - 1
+    assert tags["raydeck.checkpoint.resumed_from_epoch"] == str(stopped_epoch)
+    history = mlflow_client.get_metric_history(low_run.info.run_id, "val_accuracy")
+    assert sorted(point.step for point in history) == list(range(epochs)), "each epoch once"
+    assert _run_of(mlflow_client, "pre-high").info.status == "FINISHED"
+    assert "raydeck-pre-low" not in _ok(cluster.cli("queue"))
+    print(f"\npreemption: low stopped {stopped.end_time / 1000 - asked_at:.1f} s after the "
+          f"high job was queued (after epoch {stopped_epoch} of {epochs}); high started "
+          f"{(high.start_time - stopped.end_time) / 1000:.1f} s after; low resumed "
+          f"{(resumed.start_time - high.end_time) / 1000:.1f} s after high ended")

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from raydeck.observability.metrics import training_metrics
+from raydeck.scheduling import preemption
 from raydeck.tracking.tracker import Tracker
 
 logger = logging.getLogger(__name__)
@@ -155,12 +156,17 @@ def report_epoch(
     scheduler: Any | None = None,
     step: int = 0,
     extra: dict[str, Any] | None = None,
-) -> None:
+) -> bool:
     """Checkpoint and report one finished epoch from a Ray Train worker; call on every rank.
 
     Rank 0 stores the full training state; every rank stores its own metric values. The metrics
     are logged to ``tracker`` at ``step=epoch`` once Ray Train has committed the checkpoint (see
     :func:`report_checkpoint`, which also records the checkpoint in the run).
+
+    Returns:
+        True when raydeck's job queue asks this job to stop for a higher-priority one
+        (``tracker.should_preempt()``): the same on every rank; return from the training
+        function, and the job resumes from this checkpoint when the queue starts it again.
     """
     rank = _rank()
     with tempfile.TemporaryDirectory(prefix="raydeck-ckpt-") as tmp:
@@ -169,6 +175,7 @@ def report_epoch(
             write_state(Path(tmp), model=model, optimizer=optimizer, scheduler=scheduler,
                         epoch=epoch, step=step, run_id=tracker.parent_run_key, extra=extra)
         report_checkpoint(tracker, Path(tmp), metrics, epoch=epoch, save_started=save_started)
+    return preemption.stop_requested()
 
 
 def report_checkpoint(
@@ -235,6 +242,8 @@ def report_checkpoint(
         tracker.set_tags({f"{CHECKPOINT_TAG_PREFIX}latest": uri,
                           f"{CHECKPOINT_TAG_PREFIX}latest_epoch": epoch,
                           f"{CHECKPOINT_TAG_PREFIX}epoch_{epoch}": uri}, strict=False)
+    # Every rank, always: rank 0's answer is shared with a collective.
+    preemption.checkpoint_committed(rank)
     return committed
 
 

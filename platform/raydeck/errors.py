@@ -116,3 +116,8 @@ class SweepInterruptedError(RaydeckError):
 class SweepFinalizeError(RaydeckError):
     """Every trial of a sweep ended, but its summary or registry step failed; the trials' runs
     and checkpoints are intact and ``--resume`` redoes the step."""
+
+
+class JobPreemptedError(RaydeckError):
+    """raydeck's job queue asked the job to stop for a higher-priority one and it stopped at a
+    committed checkpoint; the queue starts it again and it resumes there, in the same run."""

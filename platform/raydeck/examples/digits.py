@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from raydeck.errors import ConfigError
+from raydeck.errors import ConfigError, JobPreemptedError
 from raydeck.models import Standardized
 from raydeck.redaction import RedactingFilter, redact_url
 
@@ -34,6 +34,10 @@ if TYPE_CHECKING:
     from raydeck.tracking import Tracker
 
 logger = logging.getLogger(__name__)
+
+# On the run of a job the queue preempted: how many times, and where each stopped.
+PREEMPTIONS_TAG = "raydeck.preemptions"
+PREEMPTION_TAG_PREFIX = "raydeck.preemption."
 
 DEFAULT_CONFIG: dict[str, Any] = {
     "epochs": 10,
@@ -168,12 +172,14 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
             train_loss, samples = train_epoch(model, loader, optimizer)
             elapsed = time.perf_counter() - started
             val_loss, val_accuracy = evaluate(model, x_val_t, y_val_t)
-            report_epoch(
+            preempted = report_epoch(
                 tracker,
                 {"train_loss": train_loss, "val_loss": val_loss, "val_accuracy": val_accuracy,
                  "samples_per_s": samples / elapsed, "epoch_time_s": elapsed},
                 epoch=epoch, model=model, optimizer=optimizer,
             )
+            if preempted:
+                return  # the queue resumes the job from this epoch's checkpoint
         if ray.train.get_context().get_world_rank() == 0:
             with tempfile.TemporaryDirectory() as tmp:
                 served, example = servable(model, config["seed"])
@@ -274,6 +280,7 @@ def run_digits(
         if "error" in outcome:
             raise outcome["error"]
         result = outcome["result"]
+        _stop_if_preempted(tracker, result, int(config["epochs"]))
         run = DigitsRun(
             run_id=tracker.run_id, run_name=tracker.run_name,
             experiment_id=tracker.experiment_id,
@@ -289,6 +296,28 @@ def run_digits(
                                         "val_accuracy").uri
     return dataclasses.replace(run, wall_time_s=time.perf_counter() - started,
                                registered_model_uri=registered)
+
+
+def _stop_if_preempted(tracker: Tracker, result: Any, epochs: int) -> None:
+    """Training returned early because the job queue preempted the job: record it on the run,
+    end the run KILLED (the next attempt marks it running again) and raise.
+
+    Raises:
+        JobPreemptedError: the queue preempted the job before its last epoch.
+    """
+    from raydeck.scheduling import preemption
+
+    number = preemption.preemption()
+    epoch = int((result.metrics or {}).get("epoch", -1))
+    if number is None or epoch >= epochs - 1:
+        return
+    tracker.set_tags({PREEMPTIONS_TAG: number,
+                      f"{PREEMPTION_TAG_PREFIX}{number}": f"stopped after epoch {epoch}"},
+                     strict=False)
+    tracker.finish("KILLED")
+    raise JobPreemptedError(
+        f"job {preemption.queue_job_id()}: preempted by the queue after epoch {epoch} "
+        f"(preemption {number}); it resumes from that checkpoint in run {tracker.run_id}")
 
 
 SWEEP_REPORTS = ("val_accuracy", "val_loss", "train_loss", "trial_setup_s")
@@ -395,11 +424,17 @@ def run_job(train_fn: Callable[[dict[str, Any]], None], *, description: str, run
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())
     args = job_arguments(description, run_name).parse_args(argv)
-    run = run_digits(
-        preset=args.preset, config={name: getattr(args, name) for name in DEFAULT_CONFIG},
-        run_name=args.run_name, run_id=args.run_id, mode=args.mode, train_fn=train_fn,
-        register_as=args.register_as,
-    )
+    try:
+        run = run_digits(
+            preset=args.preset, config={name: getattr(args, name) for name in DEFAULT_CONFIG},
+            run_name=args.run_name, run_id=args.run_id, mode=args.mode, train_fn=train_fn,
+            register_as=args.register_as,
+        )
+    except JobPreemptedError as exc:
+        from raydeck.scheduling.preemption import PREEMPTED_EXIT_CODE
+
+        logger.warning("%s", exc)
+        raise SystemExit(PREEMPTED_EXIT_CODE) from None
     logger.info("MLflow run %s (%s): val_accuracy %.3f in %.0f s; tracking URI %s",
                 run.run_id, run.run_name, run.val_accuracy, run.wall_time_s,
                 redact_url(run.tracking_uri))

@@ -97,6 +97,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         # After a failure: the latest committed checkpoint (weights, optimizer, loop state).
         with resume(tracker) as ckpt_path:
             trainer.fit(module, train_loader, val_loader, ckpt_path=ckpt_path)
+        if tracker.should_preempt():
+            return  # the queue resumes the job from its last checkpoint
         if ray.train.get_context().get_world_rank() == 0:
             with tempfile.TemporaryDirectory() as tmp:
                 served, example = servable(module.model, config["seed"])

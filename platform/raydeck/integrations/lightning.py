@@ -57,6 +57,7 @@ from raydeck.checkpointing import (
     report_checkpoint,
     stored_points,
 )
+from raydeck.scheduling import preemption
 from raydeck.tracking import Tracker
 from raydeck.tracking.validation import truncated_param
 
@@ -305,6 +306,10 @@ class RaydeckReportCallback(pl.Callback):
                               save_started=started)
             for item in loggers:
                 item.committed(_logged_step(trainer))
+            # The job queue asked the job to stop (every rank got the same answer): end here,
+            # where the job resumes from when the queue starts it again.
+            if preemption.stop_requested():
+                trainer.should_stop = True
             # No rank deletes its directory while another still uploads the checkpoint.
             trainer.strategy.barrier()
 

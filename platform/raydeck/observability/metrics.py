@@ -209,6 +209,10 @@ QUEUE_DURATION_RATIO = MetricSpec(
     "raydeck_queue_duration_ratio", "histogram",
     "A finished job's duration over the duration the queue predicted (1: exact)", ("team",),
     DURATION_RATIO_BUCKETS)
+QUEUE_PREEMPTIONS = MetricSpec(
+    "raydeck_queue_preemptions", "counter",
+    "Running jobs the queue asked to stop at their next checkpoint for a higher-priority job",
+    ("team",))
 
 METRICS: tuple[MetricSpec, ...] = (
     TRACKING_POINTS_RECEIVED, TRACKING_POINTS_WRITTEN, TRACKING_WRITE_ERRORS,
@@ -219,7 +223,7 @@ METRICS: tuple[MetricSpec, ...] = (
     SWEEP_TRIALS, SWEEP_BEST_SCORE,
     STORAGE_OP_LATENCY, STORAGE_OP_ERRORS,
     SERVING_MODEL_VERSION, SERVING_MODEL_UPDATES, SERVING_BAD_REQUESTS,
-    QUEUE_JOBS, QUEUE_WAIT, QUEUE_DURATION_RATIO,
+    QUEUE_JOBS, QUEUE_WAIT, QUEUE_DURATION_RATIO, QUEUE_PREEMPTIONS,
 )
 
 

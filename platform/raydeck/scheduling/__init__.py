@@ -1,8 +1,10 @@
-"""Scheduling jobs on a shared cluster: policies and a trace simulator.
+"""Scheduling jobs on a shared cluster: policies, a trace simulator and the job queue.
 
 Modules: :mod:`~raydeck.scheduling.policies` (FIFO, priority with aging, shortest job first,
-fair share with quotas, EASY backfill; one interface) and :mod:`~raydeck.scheduling.simulator`
-(replaying a trace through a policy without Ray; seeded heavy-tailed traces).
+fair share with quotas, EASY backfill, preemption victims; one interface),
+:mod:`~raydeck.scheduling.simulator` (replaying a trace through a policy without Ray; seeded
+heavy-tailed traces), the queue (:mod:`~raydeck.scheduling.queue`, its store, actor, client and
+job server) and :mod:`~raydeck.scheduling.preemption` (a queued job's side of preemption).
 """
 
 from raydeck.scheduling.policies import (

@@ -90,6 +90,12 @@ class QueueActor:
     def tick(self) -> tuple[bool, Any]:
         return self._call(self._queue.tick)
 
+    def checkpointed(self, job_id: str) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.checkpointed(job_id))
+
+    def preempting(self, job_id: str) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.preempting(job_id))
+
 
 class QueueMetrics(Observer):
     """The queue's reports as Prometheus metrics (raydeck.observability.metrics ``QUEUE_*``)."""
@@ -99,7 +105,9 @@ class QueueMetrics(Observer):
         from raydeck.observability.metrics import (
             QUEUE_DURATION_RATIO,
             QUEUE_JOBS,
+            QUEUE_PREEMPTIONS,
             QUEUE_WAIT,
+            counter,
             gauge,
             histogram,
         )
@@ -107,6 +115,7 @@ class QueueMetrics(Observer):
         self._jobs = gauge(QUEUE_JOBS)
         self._wait = histogram(QUEUE_WAIT)
         self._ratio = histogram(QUEUE_DURATION_RATIO)
+        self._preemptions = counter(QUEUE_PREEMPTIONS)
         self._seen: set[tuple[str, str]] = set()
 
     def started(self, row: JobRow, now: float) -> None:
@@ -115,6 +124,9 @@ class QueueMetrics(Observer):
     def ended(self, row: JobRow, now: float) -> None:
         if row.started_at is not None and row.estimate_s > 0:
             self._ratio.observe((now - row.started_at) / row.estimate_s, {"team": row.team})
+
+    def preempted(self, row: JobRow, now: float) -> None:
+        self._preemptions.inc(1, {"team": row.team})
 
     def counts(self, by_team_and_state: dict[tuple[str, str], int]) -> None:
         # A team whose jobs all left shows 0, not a stale count.

@@ -1,7 +1,8 @@
 """Scheduling policies for a shared cluster, as small objects with one interface.
 
 Owns: :class:`Policy` (given the queue, the running jobs, the free and total resources and the
-time, say which queued jobs start now) and the policies: :class:`Fifo`, :class:`PriorityAging`,
+time, say which queued jobs start now, and which running jobs of lower priority to preempt for
+the first one that cannot) and the policies: :class:`Fifo`, :class:`PriorityAging`,
 :class:`ShortestJobFirst`, :class:`FairShare` (decayed usage, weights, per-team quotas) and
 :class:`Backfill` (EASY backfill over any of them). The same objects drive the simulator
 (:mod:`raydeck.scheduling.simulator`), so what a trace replay says is what the policy does.
@@ -79,10 +80,15 @@ class QueuedJob:
 
 @dataclass(frozen=True)
 class RunningJob:
-    """A job that holds resources until it ends (expected: start + estimate)."""
+    """A job that holds resources until it ends (expected: start + estimate).
+
+    ``checkpoint_s`` is when it last committed a checkpoint the queue knows of (None: never,
+    so it cannot be preempted: it would have nothing to resume from).
+    """
 
     job: QueuedJob
     started_s: float
+    checkpoint_s: float | None = None
 
     @property
     def expected_end_s(self) -> float:
@@ -148,6 +154,31 @@ class Policy(abc.ABC):
             running.append(RunningJob(job, now))
             free = free - job.needs
         return started
+
+
+    def preempt(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
+                free: Resources, now: float) -> list[RunningJob]:
+        """Running jobs to stop at their next checkpoint so that the first queued job (in this
+        policy's order, within its quota) can start: jobs of lower priority that have a
+        checkpoint, lowest priority first and, among equals, the one that loses least work
+        (the most recent checkpoint). None unless stopping them makes the job fit.
+
+        ``running`` and ``free`` leave out (and count as free) jobs already stopping.
+        """
+        head = next((job for job in self.order(queue, running, now)
+                     if self.allowed(job, running)), None)
+        if head is None or free.fits(head.needs):
+            return []
+        candidates = sorted(
+            (r for r in running if r.checkpoint_s is not None and r.job.priority < head.priority),
+            key=lambda r: (r.job.priority, now - (r.checkpoint_s or now), r.job.id))
+        victims: list[RunningJob] = []
+        for candidate in candidates:
+            if free.fits(head.needs):
+                break
+            victims.append(candidate)
+            free = free + candidate.job.needs
+        return victims if free.fits(head.needs) else []
 
 
 class Fifo(Policy):

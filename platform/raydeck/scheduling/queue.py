@@ -5,7 +5,16 @@ start, and :meth:`JobQueue.tick`, which reconciles the jobs it started with the 
 starts what the policy says), :class:`Team` and :class:`JobSpec`. The job server is behind the
 small :class:`Launcher` interface (:mod:`raydeck.scheduling.ray_jobs` is Ray's), so the queue's
 logic is the same in tests and on a cluster. Does not own: the Ray actor that hosts it
-(:mod:`raydeck.scheduling.actor`) or the policies (:mod:`raydeck.scheduling.policies`).
+(:mod:`raydeck.scheduling.actor`), the policies (:mod:`raydeck.scheduling.policies`) or the
+job's side of preemption (:mod:`raydeck.scheduling.preemption`).
+
+Preemption: when the policy names victims for a job that cannot start, each becomes
+``preempting``; the job learns it when it next commits a checkpoint
+(:mod:`raydeck.scheduling.preemption`), stops there and exits; the queue puts it back in the
+queue (its place kept: same submission time) and later starts it again as a new job-server
+job (``<id>-r<N>``) with the same MLflow run id, so it resumes from that checkpoint in its
+run. A job still running ``PREEMPT_GRACE_S`` after being asked is stopped by the job server
+and requeued the same way (it loses the work since its last checkpoint).
 
 Resources a queued job may use are the smaller of what the cluster has free now (jobs started
 outside the queue count) and the total minus what the queue's active jobs hold (a job that has
@@ -40,6 +49,7 @@ from raydeck.scheduling.store import ACTIVE, JobRow, JobView, Store
 logger = logging.getLogger(__name__)
 
 DEFAULT_ESTIMATE_S = 3600.0
+PREEMPT_GRACE_S = 300.0
 PREDICTION_QUANTILE = 0.75
 DEFAULT_TEAM = "default"
 _TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
@@ -111,14 +121,15 @@ class Launcher(abc.ABC):
 
     @abc.abstractmethod
     def submit(self, row: JobRow, package: bytes | None) -> None:
-        """Start the job; a job with the same id already there counts as started."""
+        """Start the job as ``row.submission_id``; a job with that id already there counts as
+        started."""
 
     @abc.abstractmethod
-    def status(self, job_id: str) -> str | None:
+    def status(self, submission_id: str) -> str | None:
         """Ray's job status (``PENDING``, ``RUNNING``, ``SUCCEEDED``...), None if unknown."""
 
     @abc.abstractmethod
-    def stop(self, job_id: str) -> None:
+    def stop(self, submission_id: str) -> None:
         """Stop a running job."""
 
     @abc.abstractmethod
@@ -139,6 +150,10 @@ class Observer:
 
     def counts(self, by_team_and_state: dict[tuple[str, str], int]) -> None:
         """After each tick: how many jobs each team has queued and running."""
+        return None
+
+    def preempted(self, row: JobRow, now: float) -> None:
+        """``row`` was asked at ``now`` to stop at its next checkpoint."""
         return None
 
 
@@ -219,7 +234,8 @@ class JobQueue:
                      entrypoint=spec.entrypoint, runtime_env=json.dumps(spec.runtime_env),
                      metadata_json=json.dumps(spec.metadata), package_uri=spec.package_uri,
                      estimate_s=estimate, state="queued", reason="",
-                     submitted_at=self._clock(), started_at=None, ended_at=None)
+                     submitted_at=self._clock(), started_at=None, ended_at=None, attempt=0,
+                     preemptions=0, checkpoint_at=None, preempt_at=None)
         if not self._store.add(row):
             raise ConfigError(f"job {spec.id} is already in the queue")
         return JobView.of(row)
@@ -242,7 +258,7 @@ class JobQueue:
         if row.state not in ("queued", *ACTIVE):
             raise ConfigError(f"job {job_id} has already ended ({row.state})")
         if row.state in ACTIVE:
-            self._launcher.stop(job_id)
+            self._launcher.stop(row.submission_id)
         self._store.update(job_id, state="cancelled", ended_at=self._clock(),
                            reason="cancelled by raydeck cancel")
         updated = self._store.get(job_id)
@@ -255,14 +271,17 @@ class JobQueue:
         rows = {r.id: r for r in self._store.jobs("queued")}
         queued = [_queued(r) for r in rows.values()]
         active = self._store.jobs(*ACTIVE)
-        running = [RunningJob(_queued(r), r.started_at or now) for r in active]
+        running = [_running(r, now) for r in active]
         free, total = self._free(active)
         ordered = self._policy.order(queued, running, now)
         predicted = self._predicted_starts(ordered, running, total, now)
-        entries = [Entry(JobView.of(r), None, r.started_at, r.state) for r in active]
+        entries = [Entry(JobView.of(r), None, r.started_at,
+                         r.reason if r.state == "preempting" else r.state) for r in active]
         for position, job in enumerate(ordered, start=1):
-            entries.append(Entry(JobView.of(rows[job.id]), position, predicted.get(job.id),
-                                 self._why(job, ordered, running, free)))
+            why = self._why(job, ordered, running, free)
+            if rows[job.id].preemptions:
+                why += f" (preempted {rows[job.id].preemptions}x; resumes from its checkpoint)"
+            entries.append(Entry(JobView.of(rows[job.id]), position, predicted.get(job.id), why))
         return entries
 
     def _why(self, job: QueuedJob, ordered: list[QueuedJob], running: list[RunningJob],
@@ -297,6 +316,24 @@ class JobQueue:
         return {s.job.id: max(s.start_s, now) for s in schedule if s.job.id not in
                 {a.id for a in ahead}}
 
+    # --- what a queued job tells the queue ----------------------------------------------------
+    def checkpointed(self, job_id: str) -> bool:
+        """A started job committed a checkpoint now (it can be preempted from here on).
+
+        Returns:
+            Whether the queue asks it to stop there (it is ``preempting``).
+        """
+        row = self._store.get(job_id)
+        if row is None or row.state not in ACTIVE:
+            return False
+        self._store.update(job_id, checkpoint_at=self._clock())
+        return row.state == "preempting"
+
+    def preempting(self, job_id: str) -> int | None:
+        """Which preemption of ``job_id`` is under way (1 for the first), None if none."""
+        row = self._store.get(job_id)
+        return row.preemptions + 1 if row is not None and row.state == "preempting" else None
+
     # --- the loop ----------------------------------------------------------------------------
     def tick(self) -> list[str]:
         """Reconcile started jobs with the job server, then start what the policy says.
@@ -308,7 +345,9 @@ class JobQueue:
         for row in self._store.jobs(*ACTIVE):
             self._reconcile(row, now)
         try:
-            return self._start_what_fits(now)
+            started = self._start_what_fits(now)
+            self._preempt(now)
+            return started
         finally:
             counts: dict[tuple[str, str], int] = {}
             for row in self._store.jobs("queued", *ACTIVE):
@@ -321,7 +360,7 @@ class JobQueue:
         if not queued:
             return []
         active = self._store.jobs(*ACTIVE)
-        running = [RunningJob(_queued(r), r.started_at or now) for r in active]
+        running = [_running(r, now) for r in active]
         free, total = self._free(active)
         started = []
         for job in self._policy.decide(queued, running, free, total, now):
@@ -336,6 +375,31 @@ class JobQueue:
             started.append(job.id)
         return started
 
+    def _preempt(self, now: float) -> None:
+        """Ask the policy's victims to stop at their next checkpoint (jobs already stopping
+        count as gone, so one waiting job never takes more victims than it needs)."""
+        queued = [_queued(r) for r in self._store.jobs("queued")]
+        if not queued:
+            return
+        active = self._store.jobs(*ACTIVE)
+        free, _ = self._free(active)
+        for row in active:
+            if row.state == "preempting":
+                free = free + Resources(row.cpus, row.gpus)
+        running = [_running(r, now) for r in active if r.state != "preempting"]
+        victims = self._policy.preempt(queued, running, free, now)
+        if not victims:
+            return
+        head = self._policy.order(queued, running, now)[0]
+        for victim in victims:
+            self._store.update(victim.job.id, state="preempting", preempt_at=now,
+                               reason=f"preempted for {head.id} (priority {head.priority}): "
+                                      "stops at its next checkpoint")
+            stopping = self._store.get(victim.job.id)
+            assert stopping is not None
+            self._observer.preempted(stopping, now)
+            logger.info("preempting %s for %s", victim.job.id, head.id)
+
     def _start(self, row: JobRow) -> None:
         try:
             self._launcher.submit(row, self._store.package(row.package_uri)
@@ -346,14 +410,29 @@ class JobQueue:
             logger.error("job %s was refused by the job server: %s", row.id, exc)
 
     def _reconcile(self, row: JobRow, now: float) -> None:
-        status = self._launcher.status(row.id)
+        status = self._launcher.status(row.submission_id)
         if status is None:
             if row.state == "starting":
                 self._start(row)  # the queue stopped between recording and submitting
             return
+        if row.state == "preempting" and status in TERMINAL and status != "SUCCEEDED":
+            # Stopped at its checkpoint (or by the job server after the grace period): back in
+            # the queue, its place kept; the next attempt is a new job-server job.
+            self._store.update(row.id, state="queued", attempt=row.attempt + 1,
+                               preemptions=row.preemptions + 1, started_at=None,
+                               preempt_at=None, reason=f"{row.reason.split(':')[0]}; "
+                               f"resumes from its checkpoint")
+            self._policy.ended(_running(row, now), now)
+            return
+        if row.state == "preempting" and row.preempt_at is not None \
+                and now - row.preempt_at > PREEMPT_GRACE_S and status not in TERMINAL:
+            logger.warning("job %s did not stop within %.0f s of its preemption; stopping it "
+                           "(it resumes from its last checkpoint)", row.id, PREEMPT_GRACE_S)
+            self._launcher.stop(row.submission_id)
+            return
         if status in TERMINAL:
             self._store.update(row.id, state=TERMINAL[status], ended_at=now)
-            self._policy.ended(RunningJob(_queued(row), row.started_at or now), now)
+            self._policy.ended(_running(row, now), now)
             self._observer.ended(row, now)
         elif row.state == "starting":
             self._store.update(row.id, state="running")
@@ -372,6 +451,10 @@ class JobQueue:
 def _queued(row: JobRow) -> QueuedJob:
     return QueuedJob(row.id, row.team, row.priority, Resources(row.cpus, row.gpus),
                      row.submitted_at, row.estimate_s)
+
+
+def _running(row: JobRow, now: float) -> RunningJob:
+    return RunningJob(_queued(row), row.started_at or now, row.checkpoint_at)
 
 
 def _fresh(policy: Policy) -> Policy:

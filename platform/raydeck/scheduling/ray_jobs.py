@@ -14,6 +14,7 @@ from typing import Any
 from raydeck.errors import JobSubmissionError
 from raydeck.jobs import JobServer
 from raydeck.scheduling.policies import Resources
+from raydeck.scheduling.preemption import QUEUE_JOB_ENV
 from raydeck.scheduling.queue import Launcher
 from raydeck.scheduling.store import JobRow
 
@@ -38,25 +39,28 @@ class RayJobs(Launcher):
                 raise JobSubmissionError(f"job {row.id}: its working dir package "
                                          f"{row.package_uri} is gone and was not kept")
             packaging.upload_package_to_gcs(row.package_uri, package)
+        runtime_env = json.loads(row.runtime_env)
+        # The job (driver and every worker) learns its queue id: preemption asks by it.
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), QUEUE_JOB_ENV: row.id}
         try:
-            self._jobs().submit_job(entrypoint=row.entrypoint, submission_id=row.id,
-                                    runtime_env=json.loads(row.runtime_env),
+            self._jobs().submit_job(entrypoint=row.entrypoint, submission_id=row.submission_id,
+                                    runtime_env=runtime_env,
                                     metadata=json.loads(row.metadata_json))
         except RuntimeError as exc:
             if "already exists" in str(exc):
                 return  # submitted before the queue restarted: started once, not twice
             raise JobSubmissionError(str(exc).splitlines()[0][:300]) from None
 
-    def status(self, job_id: str) -> str | None:
+    def status(self, submission_id: str) -> str | None:
         try:
-            return str(self._jobs().get_job_status(job_id).value)
+            return str(self._jobs().get_job_status(submission_id).value)
         except RuntimeError as exc:
             if "does not exist" in str(exc) or "not found" in str(exc).lower():
                 return None
             raise
 
-    def stop(self, job_id: str) -> None:
-        self._jobs().stop_job(job_id)
+    def stop(self, submission_id: str) -> None:
+        self._jobs().stop_job(submission_id)
 
     def resources(self) -> tuple[Resources, Resources]:
         import ray

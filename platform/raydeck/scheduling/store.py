@@ -18,7 +18,8 @@ from typing import Any
 from sqlalchemy import Float, Integer, LargeBinary, String, Text, create_engine, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-ACTIVE = ("starting", "running")
+# A ``preempting`` job still holds its resources: it was asked to stop at its next checkpoint.
+ACTIVE = ("starting", "running", "preempting")
 ENDED = ("succeeded", "failed", "stopped", "cancelled")
 
 
@@ -48,6 +49,16 @@ class JobRow(_Base):
     submitted_at: Mapped[float] = mapped_column(Float)
     started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Each start after a preemption is a new job on the job server (its ids are never reused).
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    preemptions: Mapped[int] = mapped_column(Integer, default=0)
+    checkpoint_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    preempt_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+    @property
+    def submission_id(self) -> str:
+        """The job server's id of the current attempt: the queue's id, then ``<id>-r<N>``."""
+        return self.id if not self.attempt else f"{self.id}-r{self.attempt}"
 
 
 class PackageRow(_Base):
@@ -85,12 +96,14 @@ class JobView:
     submitted_at: float
     started_at: float | None
     ended_at: float | None
+    submission_id: str
+    preemptions: int
 
     @classmethod
     def of(cls, row: JobRow) -> JobView:
         return cls(row.id, row.team, row.priority, row.cpus, row.gpus, row.preset, row.key,
                    row.entrypoint, row.estimate_s, row.state, row.reason, row.submitted_at,
-                   row.started_at, row.ended_at)
+                   row.started_at, row.ended_at, row.submission_id, row.preemptions)
 
 
 class Store:
