@@ -278,3 +278,33 @@ def test_a_low_priority_job_is_preempted_at_a_checkpoint_and_resumes_in_its_run(
           f"high job was queued (after epoch {stopped_epoch} of {epochs}); high started "
           f"{(high.start_time - stopped.end_time) / 1000:.1f} s after; low resumed "
           f"{(resumed.start_time - high.end_time) / 1000:.1f} s after high ended")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_head_restart_loses_no_job_and_reruns_what_died_with_it(cluster: Cluster) -> None:
+    """Last in the module: it restarts the head (the queue's database is in the head's data
+    dir; Ray's job table and the queue actor are not kept by a restarted head)."""
+    _ok(cluster.cli("queue", "--policy", "fifo"))
+    _ok(cluster.submit("hr-run1", "q2", 20, "b"))
+    _ok(cluster.submit("hr-run2", "q2", 20, "b"))
+    _ok(cluster.submit("hr-wait", "q1", 3, "c"))
+    wait_until(lambda: {"hr-run1", "hr-run2"} <= set(cluster.events()), 120,
+               "the two running jobs to start")
+    cluster.head.stop()
+    cluster.head.start()
+    assert "hr-wait" in _ok(cluster.cli("queue"))  # a new queue actor, from its database
+    wait_until(lambda: all(len(cluster.events().get(job, {}).get("end", [])) == 1
+                           for job in ("hr-run1", "hr-run2", "hr-wait")), 300,
+               "every job to end once")
+    events = cluster.events()
+    # The running jobs died with the head and ran again (same run id, so a real job resumes
+    # from its checkpoint); the queued one started once.
+    assert len(events["hr-wait"]["start"]) == 1, events["hr-wait"]
+    for job in ("hr-run1", "hr-run2"):
+        assert len(events[job]["start"]) == 2 and len(events[job]["end"]) == 1, events[job]
+    run_ids = {json.loads(line)["run_id"] for line in cluster.log.read_text().splitlines()
+               if json.loads(line)["run"] == "hr-run1"}
+    assert run_ids == {"hr-run1"}, run_ids
+    final = _ok(cluster.cli("queue"))
+    assert not any(job in final for job in ("hr-run1", "hr-run2", "hr-wait")), final

@@ -14,7 +14,8 @@ Preemption: when the policy names victims for a job that cannot start, each beco
 queue (its place kept: same submission time) and later starts it again as a new job-server
 job (``<id>-r<N>``) with the same MLflow run id, so it resumes from that checkpoint in its
 run. A job still running ``PREEMPT_GRACE_S`` after being asked is stopped by the job server
-and requeued the same way (it loses the work since its last checkpoint).
+and requeued the same way (it loses the work since its last checkpoint), and so is a started
+job the job server no longer knows (the head restarted and the job died with it).
 
 Resources a queued job may use are the smaller of what the cluster has free now (jobs started
 outside the queue count) and the total minus what the queue's active jobs hold (a job that has
@@ -414,15 +415,14 @@ class JobQueue:
         if status is None:
             if row.state == "starting":
                 self._start(row)  # the queue stopped between recording and submitting
+            else:
+                # The job server forgot a job it ran: the head restarted (Ray keeps its jobs
+                # in the head's GCS) and the job died with it.
+                self._requeue(row, now, "lost when the cluster's head restarted")
             return
         if row.state == "preempting" and status in TERMINAL and status != "SUCCEEDED":
-            # Stopped at its checkpoint (or by the job server after the grace period): back in
-            # the queue, its place kept; the next attempt is a new job-server job.
-            self._store.update(row.id, state="queued", attempt=row.attempt + 1,
-                               preemptions=row.preemptions + 1, started_at=None,
-                               preempt_at=None, reason=f"{row.reason.split(':')[0]}; "
-                               f"resumes from its checkpoint")
-            self._policy.ended(_running(row, now), now)
+            # Stopped at its checkpoint (or by the job server after the grace period).
+            self._requeue(row, now, row.reason.split(":")[0], preempted=True)
             return
         if row.state == "preempting" and row.preempt_at is not None \
                 and now - row.preempt_at > PREEMPT_GRACE_S and status not in TERMINAL:
@@ -436,6 +436,16 @@ class JobQueue:
             self._observer.ended(row, now)
         elif row.state == "starting":
             self._store.update(row.id, state="running")
+
+    def _requeue(self, row: JobRow, now: float, why: str, preempted: bool = False) -> None:
+        """Put a started job back in the queue, its place kept (same submission time); its
+        next attempt is a new job-server job with the same run id, so it resumes from its last
+        checkpoint in its MLflow run."""
+        self._store.update(row.id, state="queued", attempt=row.attempt + 1,
+                           preemptions=row.preemptions + int(preempted), started_at=None,
+                           preempt_at=None, reason=f"{why}; resumes from its checkpoint")
+        self._policy.ended(_running(row, now), now)
+        logger.info("job %s is back in the queue: %s", row.id, why)
 
     def _free(self, active: list[JobRow]) -> tuple[Resources, Resources]:
         """Free and total resources, ``active`` being the queue's started jobs."""
