@@ -286,17 +286,26 @@ def test_a_head_restart_loses_no_job_and_reruns_what_died_with_it(cluster: Clust
     """Last in the module: it restarts the head (the queue's database is in the head's data
     dir; Ray's job table and the queue actor are not kept by a restarted head)."""
     _ok(cluster.cli("queue", "--policy", "fifo"))
-    _ok(cluster.submit("hr-run1", "q2", 20, "b"))
-    _ok(cluster.submit("hr-run2", "q2", 20, "b"))
+    # Long enough to be running when the head goes down: a job that ends while the head stops
+    # cannot be seen ending, and runs again (the queue's guarantee is at least once).
+    _ok(cluster.submit("hr-run1", "q2", 75, "b"))
+    _ok(cluster.submit("hr-run2", "q2", 75, "b"))
     _ok(cluster.submit("hr-wait", "q1", 3, "c"))
     wait_until(lambda: {"hr-run1", "hr-run2"} <= set(cluster.events()), 120,
                "the two running jobs to start")
     cluster.head.stop()
     cluster.head.start()
     assert "hr-wait" in _ok(cluster.cli("queue"))  # a new queue actor, from its database
-    wait_until(lambda: all(len(cluster.events().get(job, {}).get("end", [])) == 1
-                           for job in ("hr-run1", "hr-run2", "hr-wait")), 300,
-               "every job to end once")
+    try:
+        wait_until(lambda: all(len(cluster.events().get(job, {}).get("end", [])) == 1
+                               for job in ("hr-run1", "hr-run2", "hr-wait")), 300,
+                   "every job to end once")
+    except TimeoutError:
+        logs = "\n".join(line for path in cluster.head.temp_dir.rglob("*.err")
+                         for line in path.read_text(errors="replace").splitlines()
+                         if "scheduling" in line or "queue" in line)
+        raise AssertionError(f"{cluster.events()}\n{cluster.cli('queue').stdout}\n"
+                             f"{cluster.cli('jobs').stdout}\n{logs[-5000:]}") from None
     events = cluster.events()
     # The running jobs died with the head and ran again (same run id, so a real job resumes
     # from its checkpoint); the queued one started once.
