@@ -126,25 +126,27 @@ def test_preemption_takes_the_lower_priority_job_that_loses_least_and_only_what_
     high = QueuedJob("high", "b", 5, Resources(cpus=1, gpus=2), 95.0, 10.0)
     running = [_running("old-ckpt", 2, 0, 50.0), _running("new-ckpt", 2, 0, 90.0),
                _running("important", 2, 7, 90.0), _running("no-ckpt", 2, 0, None)]
-    victims = PriorityAging().preempt([high], running, Resources(cpus=60), now=100.0)
-    assert [v.job.id for v in victims] == ["new-ckpt"]
+    decision = PriorityAging().preempt([high], running, Resources(cpus=60), now=100.0)
+    assert decision is not None and decision.job == high
+    assert [v.job.id for v in decision.victims] == ["new-ckpt"]
     # Needing 4 GPUs takes both checkpointed low jobs; never the higher one or one that could
     # not resume (no checkpoint).
     big = QueuedJob("big", "b", 5, Resources(cpus=1, gpus=4), 95.0, 10.0)
-    victims = PriorityAging().preempt([big], running, Resources(cpus=60), now=100.0)
-    assert [v.job.id for v in victims] == ["new-ckpt", "old-ckpt"]
+    decision = PriorityAging().preempt([big], running, Resources(cpus=60), now=100.0)
+    assert decision is not None
+    assert [v.job.id for v in decision.victims] == ["new-ckpt", "old-ckpt"]
 
 
 def test_no_preemption_when_the_job_fits_is_not_higher_or_could_not_fit_anyway() -> None:
     running = [_running("low", 2, 0, 50.0)]
     free = Resources(cpus=60, gpus=2)
     fits = QueuedJob("fits", "b", 5, Resources(cpus=1, gpus=2), 95.0, 10.0)
-    assert PriorityAging().preempt([fits], running, free, now=100.0) == []
+    assert PriorityAging().preempt([fits], running, free, now=100.0) is None
     equal = QueuedJob("equal", "b", 0, Resources(cpus=1, gpus=4), 95.0, 10.0)
-    assert PriorityAging().preempt([equal], running, free, now=100.0) == []
+    assert PriorityAging().preempt([equal], running, free, now=100.0) is None
     huge = QueuedJob("huge", "b", 5, Resources(cpus=1, gpus=8), 95.0, 10.0)
-    assert PriorityAging().preempt([huge], running, free, now=100.0) == []
+    assert PriorityAging().preempt([huge], running, free, now=100.0) is None
     # A job its team's quota holds back takes no victims either.
     quota = PriorityAging(quotas={"b": Resources(cpus=64, gpus=1)})
     capped = QueuedJob("capped", "b", 5, Resources(cpus=1, gpus=4), 95.0, 10.0)
-    assert quota.preempt([capped], running, free, now=100.0) == []
+    assert quota.preempt([capped], running, free, now=100.0) is None

@@ -14,6 +14,7 @@ from typing import Any
 
 from raydeck.config import Settings
 from raydeck.scaling import DEFAULT_CHECKPOINTS_TO_KEEP, DEFAULT_MAX_FAILURES
+from raydeck.scheduling import preemption
 from raydeck.tracking.tracker import Tracker
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,9 @@ def fit(
     Raises:
         StorageError: object storage is configured but unreachable, refuses the credentials
             or lacks a bucket (checked before any worker starts).
+        JobPreemptedError: raydeck's job queue preempted the job; its workers stopped at a
+            committed checkpoint and the run ended KILLED (exit unfinished: the queue starts
+            the job again and it resumes there).
     """
     from ray.train import CheckpointConfig, FailureConfig
     from ray.train.torch import TorchTrainer
@@ -78,4 +82,6 @@ def fit(
         scaling_config=scaling_config,
         run_config=run_config,
     )
-    return trainer.fit()
+    result = trainer.fit()
+    preemption.end_if_preempted(tracker, result)
+    return result

@@ -35,10 +35,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# On the run of a job the queue preempted: how many times, and where each stopped.
-PREEMPTIONS_TAG = "raydeck.preemptions"
-PREEMPTION_TAG_PREFIX = "raydeck.preemption."
-
 DEFAULT_CONFIG: dict[str, Any] = {
     "epochs": 10,
     "lr": 0.003,
@@ -280,7 +276,6 @@ def run_digits(
         if "error" in outcome:
             raise outcome["error"]
         result = outcome["result"]
-        _stop_if_preempted(tracker, result, int(config["epochs"]))
         run = DigitsRun(
             run_id=tracker.run_id, run_name=tracker.run_name,
             experiment_id=tracker.experiment_id,
@@ -296,28 +291,6 @@ def run_digits(
                                         "val_accuracy").uri
     return dataclasses.replace(run, wall_time_s=time.perf_counter() - started,
                                registered_model_uri=registered)
-
-
-def _stop_if_preempted(tracker: Tracker, result: Any, epochs: int) -> None:
-    """Training returned early because the job queue preempted the job: record it on the run,
-    end the run KILLED (the next attempt marks it running again) and raise.
-
-    Raises:
-        JobPreemptedError: the queue preempted the job before its last epoch.
-    """
-    from raydeck.scheduling import preemption
-
-    number = preemption.preemption()
-    epoch = int((result.metrics or {}).get("epoch", -1))
-    if number is None or epoch >= epochs - 1:
-        return
-    tracker.set_tags({PREEMPTIONS_TAG: number,
-                      f"{PREEMPTION_TAG_PREFIX}{number}": f"stopped after epoch {epoch}"},
-                     strict=False)
-    tracker.finish("KILLED")
-    raise JobPreemptedError(
-        f"job {preemption.queue_job_id()}: preempted by the queue after epoch {epoch} "
-        f"(preemption {number}); it resumes from that checkpoint in run {tracker.run_id}")
 
 
 SWEEP_REPORTS = ("val_accuracy", "val_loss", "train_loss", "trial_setup_s")

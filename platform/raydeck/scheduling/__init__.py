@@ -12,6 +12,7 @@ from raydeck.scheduling.policies import (
     FairShare,
     Fifo,
     Policy,
+    Preemption,
     PriorityAging,
     QueuedJob,
     Resources,
@@ -30,7 +31,7 @@ from raydeck.scheduling.simulator import (
 )
 
 __all__ = [
-    "Backfill", "FairShare", "Fifo", "Policy", "PriorityAging", "QueuedJob", "Report",
-    "Resources", "RunningJob", "Scheduled", "ShortestJobFirst", "TraceJob", "generate_trace",
-    "make_policy", "read_trace", "simulate", "write_trace",
+    "Backfill", "FairShare", "Fifo", "Policy", "Preemption", "PriorityAging", "QueuedJob",
+    "Report", "Resources", "RunningJob", "Scheduled", "ShortestJobFirst", "TraceJob",
+    "generate_trace", "make_policy", "read_trace", "simulate", "write_trace",
 ]

@@ -93,8 +93,8 @@ class QueueActor:
     def checkpointed(self, job_id: str) -> tuple[bool, Any]:
         return self._call(lambda: self._queue.checkpointed(job_id))
 
-    def preempting(self, job_id: str) -> tuple[bool, Any]:
-        return self._call(lambda: self._queue.preempting(job_id))
+    def preempted(self, job_id: str) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.preempted(job_id))
 
 
 class QueueMetrics(Observer):

@@ -155,9 +155,8 @@ class Policy(abc.ABC):
             free = free - job.needs
         return started
 
-
     def preempt(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
-                free: Resources, now: float) -> list[RunningJob]:
+                free: Resources, now: float) -> Preemption | None:
         """Running jobs to stop at their next checkpoint so that the first queued job (in this
         policy's order, within its quota) can start: jobs of lower priority that have a
         checkpoint, lowest priority first and, among equals, the one that loses least work
@@ -168,7 +167,7 @@ class Policy(abc.ABC):
         head = next((job for job in self.order(queue, running, now)
                      if self.allowed(job, running)), None)
         if head is None or free.fits(head.needs):
-            return []
+            return None
         candidates = sorted(
             (r for r in running if r.checkpoint_s is not None and r.job.priority < head.priority),
             key=lambda r: (r.job.priority, now - (r.checkpoint_s or now), r.job.id))
@@ -178,7 +177,15 @@ class Policy(abc.ABC):
                 break
             victims.append(candidate)
             free = free + candidate.job.needs
-        return victims if free.fits(head.needs) else []
+        return Preemption(head, tuple(victims)) if free.fits(head.needs) else None
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """What :meth:`Policy.preempt` decided: stop ``victims`` so that ``job`` can start."""
+
+    job: QueuedJob
+    victims: tuple[RunningJob, ...]
 
 
 class Fifo(Policy):

@@ -4,8 +4,9 @@ learning there that it should stop (as Determined's ``should_preempt()``).
 Owns: ``RAYDECK_QUEUE_JOB`` (the queue's id of the job, set in the job's runtime env when the
 queue starts it), :func:`checkpoint_committed` (every rank calls it after a committed
 checkpoint; rank 0 tells the queue and every rank gets rank 0's answer, so all ranks stop at the
-same epoch), :func:`stop_requested` (that answer, for the training loop) and :func:`preemption`
-(for the driver once training returned: which preemption this is).
+same epoch), :func:`stop_requested` (that answer, for the training loop) and
+:func:`end_if_preempted` (the driver, once training returned: record the preemption on the run,
+end it KILLED and raise, so the job exits unfinished and the queue starts it again).
 
 Contract: a job the queue did not start makes no call and is never asked to stop. A queue that
 cannot be reached answers "go on" (logged): a queue outage never stops training.
@@ -15,7 +16,12 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from raydeck.errors import JobPreemptedError
+
+if TYPE_CHECKING:
+    from raydeck.tracking.tracker import Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -23,6 +29,9 @@ QUEUE_JOB_ENV = "RAYDECK_QUEUE_JOB"
 QUEUE_CALL_TIMEOUT_S = 10.0
 # A preempted job's exit status (EX_TEMPFAIL: try again later), so it is not mistaken for done.
 PREEMPTED_EXIT_CODE = 75
+# On the run of a preempted job: how many times, and where each stopped.
+PREEMPTIONS_TAG = "raydeck.preemptions"
+PREEMPTION_TAG_PREFIX = "raydeck.preemption."
 
 _stop_requested = False
 _handle: Any = None
@@ -74,14 +83,26 @@ def stop_requested() -> bool:
     return _stop_requested
 
 
-def preemption() -> int | None:
-    """In a queued job's driver: which preemption of this job is under way (1 for the first),
-    None when the queue has not asked it to stop."""
+def end_if_preempted(tracker: Tracker, result: Any) -> None:
+    """After Ray Train returned in a queued job's driver: if its workers stopped because the
+    queue asked them to, tag the run (``raydeck.preemptions``, ``raydeck.preemption.<N>``),
+    end it KILLED (the next attempt marks it running again) and raise. A job that finished
+    before any rank was told goes on as finished.
+
+    Raises:
+        JobPreemptedError: the job stopped at a checkpoint for the queue.
+    """
     job_id = queue_job_id()
-    if job_id is None:
-        return None
-    number = _ask("preempting", job_id)
-    return int(number) if number is not None else None
+    number = _ask("preempted", job_id) if job_id is not None else None
+    if number is None:
+        return
+    epoch = (result.metrics or {}).get("epoch")
+    where = f"stopped after epoch {epoch}" if epoch is not None else "stopped at a checkpoint"
+    tracker.set_tags({PREEMPTIONS_TAG: number, f"{PREEMPTION_TAG_PREFIX}{number}": where},
+                     strict=False)
+    tracker.finish("KILLED")
+    raise JobPreemptedError(f"job {job_id}: preempted by the queue ({where}, preemption "
+                            f"{number}); it resumes from that checkpoint in run {tracker.run_id}")
 
 
 def _agree(value: bool) -> bool:

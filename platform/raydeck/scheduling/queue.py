@@ -330,10 +330,14 @@ class JobQueue:
         self._store.update(job_id, checkpoint_at=self._clock())
         return row.state == "preempting"
 
-    def preempting(self, job_id: str) -> int | None:
-        """Which preemption of ``job_id`` is under way (1 for the first), None if none."""
+    def preempted(self, job_id: str) -> int | None:
+        """Which preemption of ``job_id`` stopped it (1 for the first): it was told so at a
+        checkpoint it committed after being asked. None if it was not (it may have finished
+        first)."""
         row = self._store.get(job_id)
-        return row.preemptions + 1 if row is not None and row.state == "preempting" else None
+        told = (row is not None and row.state == "preempting" and row.preempt_at is not None
+                and row.checkpoint_at is not None and row.checkpoint_at >= row.preempt_at)
+        return row.preemptions + 1 if told and row is not None else None
 
     # --- the loop ----------------------------------------------------------------------------
     def tick(self) -> list[str]:
@@ -346,9 +350,7 @@ class JobQueue:
         for row in self._store.jobs(*ACTIVE):
             self._reconcile(row, now)
         try:
-            started = self._start_what_fits(now)
-            self._preempt(now)
-            return started
+            return self._schedule(now)
         finally:
             counts: dict[tuple[str, str], int] = {}
             for row in self._store.jobs("queued", *ACTIVE):
@@ -356,7 +358,11 @@ class JobQueue:
                 counts[(row.team, state)] = counts.get((row.team, state), 0) + 1
             self._observer.counts(counts)
 
-    def _start_what_fits(self, now: float) -> list[str]:
+    def _schedule(self, now: float) -> list[str]:
+        """Start what the policy says, then ask the policy's victims to stop at their next
+        checkpoint for the first job that still cannot start (jobs already stopping count as
+        gone, so one waiting job never takes more victims than it needs). One read of the
+        queue and of the cluster's resources per tick."""
         queued = [_queued(r) for r in self._store.jobs("queued")]
         if not queued:
             return []
@@ -374,32 +380,26 @@ class JobQueue:
             self._start(chosen)
             self._observer.started(chosen, now)
             started.append(job.id)
-        return started
-
-    def _preempt(self, now: float) -> None:
-        """Ask the policy's victims to stop at their next checkpoint (jobs already stopping
-        count as gone, so one waiting job never takes more victims than it needs)."""
-        queued = [_queued(r) for r in self._store.jobs("queued")]
-        if not queued:
-            return
-        active = self._store.jobs(*ACTIVE)
-        free, _ = self._free(active)
+            running.append(RunningJob(job, now))
+            free = free - job.needs
+        stopping = {r.id for r in active if r.state == "preempting"}
         for row in active:
-            if row.state == "preempting":
+            if row.id in stopping:
                 free = free + Resources(row.cpus, row.gpus)
-        running = [_running(r, now) for r in active if r.state != "preempting"]
-        victims = self._policy.preempt(queued, running, free, now)
-        if not victims:
-            return
-        head = self._policy.order(queued, running, now)[0]
-        for victim in victims:
+        waiting = [job for job in queued if job.id not in started]
+        decision = self._policy.preempt(
+            waiting, [r for r in running if r.job.id not in stopping], free, now)
+        if decision is None:
+            return started
+        for victim in decision.victims:
             self._store.update(victim.job.id, state="preempting", preempt_at=now,
-                               reason=f"preempted for {head.id} (priority {head.priority}): "
-                                      "stops at its next checkpoint")
-            stopping = self._store.get(victim.job.id)
-            assert stopping is not None
-            self._observer.preempted(stopping, now)
-            logger.info("preempting %s for %s", victim.job.id, head.id)
+                               reason=f"preempted for {decision.job.id} (priority "
+                                      f"{decision.job.priority}): stops at its next checkpoint")
+            asked = self._store.get(victim.job.id)
+            assert asked is not None
+            self._observer.preempted(asked, now)
+            logger.info("preempting %s for %s", victim.job.id, decision.job.id)
+        return started
 
     def _start(self, row: JobRow) -> None:
         try:
@@ -422,7 +422,7 @@ class JobQueue:
             return
         if row.state == "preempting" and status in TERMINAL and status != "SUCCEEDED":
             # Stopped at its checkpoint (or by the job server after the grace period).
-            self._requeue(row, now, row.reason.split(":")[0], preempted=True)
+            self._requeue(row, now, "preempted", preempted=True)
             return
         if row.state == "preempting" and row.preempt_at is not None \
                 and now - row.preempt_at > PREEMPT_GRACE_S and status not in TERMINAL:

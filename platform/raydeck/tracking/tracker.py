@@ -656,17 +656,14 @@ class Tracker:
     # --- the job queue ------------------------------------------------------------------------
     def should_preempt(self) -> bool:
         """Whether raydeck's job queue asked this job to stop for a higher-priority one (as
-        Determined's ``should_preempt()``). On a Ray Train worker: the answer given when the
-        last checkpoint was committed (the same on every rank; ``report_epoch`` returns it
-        too), so return from the training function, and the job resumes from that checkpoint
-        in this run when the queue starts it again. Elsewhere: the queue's answer now. Always
-        False for a job the queue did not start; never raises.
+        Determined's ``should_preempt()``): the answer given on a Ray Train worker when the
+        last checkpoint was committed, the same on every rank (``report_epoch`` returns it
+        too). Return from the training function; the job resumes from that checkpoint in this
+        run when the queue starts it again. Always False for a job the queue did not start.
         """
         from raydeck.scheduling import preemption
 
-        if preemption.stop_requested():
-            return True
-        return self._process.role != "train_worker" and preemption.preemption() is not None
+        return preemption.stop_requested()
 
     # --- delivery -----------------------------------------------------------------------------
     def flush(self, timeout_s: float | None = None) -> None:
