@@ -35,7 +35,7 @@ def fake_gpu_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
     env.update({MARKER_ENV: marker, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
                 "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "FAKE_GPU_STORAGE": str(root),
                 "PYTHONUNBUFFERED": "1"})
-    checks = ["feasibility", *(f"placement:{name}" for name in PRESETS)]
+    checks = ["feasibility", "admission", *(f"placement:{name}" for name in PRESETS)]
     try:
         done = subprocess.run(
             [sys.executable, "-m", "tests.fixtures.fake_gpu_cluster", *checks], cwd=REPO,
@@ -124,6 +124,27 @@ def test_feasibility_reads_each_nodes_own_free_gpus(fake_gpu_results: dict[str, 
     # 0.5 GPU free on each node: four quarter-GPU workers fit now, a 2-GPU node does not.
     assert answers["gpu-strict-pack both nodes busy"] is False
     assert answers["gpu-quarter both nodes busy"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(DRIVER_TIMEOUT_S + 60)
+def test_the_queue_admits_exactly_the_gangs_ray_can_place_now(
+        fake_gpu_results: dict[str, Any]) -> None:
+    admission = fake_gpu_results["admission"]
+    # One GPU held on each node: what the queue's launcher reads, per node.
+    assert admission["nodes"] == [[4.0, 1.0], [4.0, 1.0]]
+    for preset, answer in admission["gangs"].items():
+        assert answer["queue"] == answer["ray"], (preset, answer)
+    # The case cluster totals get wrong: two GPUs free in all, but no node holds four halves.
+    assert admission["gangs"]["gpu-strict-pack"] == {"pool": True, "queue": False, "ray": False}
+    assert all(answer["queue"] for preset, answer in admission["gangs"].items()
+               if preset != "gpu-strict-pack")
+    # FIFO keeps the strict gang at the head waiting, nothing jumps it; in the other order the
+    # packed gang starts and the strict one waits.
+    assert admission["fifo"] == {"strict first": [], "pack first": ["gpu-pack"]}
+    # Ray fills one GPU with half shares before it starts the next: the whole GPU stays free.
+    half, other_half, whole = admission["holders"]
+    assert half == other_half and len(half) == 1 and whole != half
 
 
 @pytest.mark.slow

@@ -281,21 +281,48 @@ def _capacity(bundle: NodeResources, node: NodeResources) -> int:
     return min(counts) if counts else 10**9
 
 
-def _placeable(bundle: NodeResources, workers: int, strategy: str,
-               nodes: list[NodeResources]) -> bool:
-    """Whether Ray can place ``workers`` bundles on ``nodes`` under ``strategy``.
+def place(bundle: NodeResources, workers: int, strategy: str,
+          nodes: list[NodeResources]) -> list[int] | None:
+    """A node (index into ``nodes``) for each of ``workers`` bundles under ``strategy``, or None
+    when Ray could not place them all on ``nodes``.
 
     STRICT_PACK needs one node for all, STRICT_SPREAD a distinct node for each; PACK and SPREAD
-    are preferences, so any node with room counts.
+    are preferences, so any node with room counts (PACK fills the roomiest nodes first, SPREAD
+    takes one per node in turn). Strict gangs go to the node(s) with the least room that fits
+    (best fit), which keeps large holes for large gangs. GPU shares are summed per node: Ray
+    fills one GPU with fractional requests before it starts the next, so a node's free share
+    is whole free GPUs plus at most one partly used one, and 1/k shares pack onto that one
+    first.
     """
+    room = [_capacity(bundle, node) for node in nodes]
+    by_room = sorted(range(len(nodes)), key=lambda i: (room[i], i))
     if strategy == "STRICT_PACK":
-        return any(_fits(bundle, node, workers) for node in nodes)
+        node = next((i for i in by_room if room[i] >= workers), None)
+        return None if node is None else [node] * workers
     if strategy == "STRICT_SPREAD":
-        return sum(1 for node in nodes if _fits(bundle, node)) >= workers
-    return sum(_capacity(bundle, node) for node in nodes) >= workers
+        fitting = [i for i in by_room if room[i] >= 1]
+        return sorted(fitting[:workers]) if len(fitting) >= workers else None
+    if sum(room) < workers:
+        return None
+    chosen: list[int] = []
+    if strategy == "SPREAD":
+        while len(chosen) < workers:
+            for i in range(len(nodes)):
+                if room[i] > chosen.count(i) and len(chosen) < workers:
+                    chosen.append(i)
+        return sorted(chosen)
+    for i in reversed(by_room):
+        chosen.extend([i] * min(room[i], workers - len(chosen)))
+    return sorted(chosen)
 
 
-def _describe(resources: NodeResources) -> str:
+def placeable(bundle: NodeResources, workers: int, strategy: str,
+              nodes: list[NodeResources]) -> bool:
+    """Whether Ray can place ``workers`` bundles on ``nodes`` under ``strategy`` (:func:`place`)."""
+    return place(bundle, workers, strategy, nodes) is not None
+
+
+def describe_resources(resources: NodeResources) -> str:
     shown = []
     for name in ("CPU", "GPU", "memory"):
         if name in resources:
@@ -369,21 +396,23 @@ def check_feasible(
     for node in node_totals:
         for name, amount in node.items():
             totals[name] = totals.get(name, 0.0) + amount
-    asked = f"{preset.num_workers} worker(s) x ({_describe(bundle)}), {preset.placement_strategy}"
-    if not _placeable(bundle, preset.num_workers, preset.placement_strategy, node_totals):
+    asked = (f"{preset.num_workers} worker(s) x ({describe_resources(bundle)}), "
+             f"{preset.placement_strategy}")
+    if not placeable(bundle, preset.num_workers, preset.placement_strategy, node_totals):
         shown_nodes = "; ".join(
-            f"node {index}: {_describe({k: v for k, v in node.items() if k in bundle})}"
+            f"node {index}: {describe_resources({k: v for k, v in node.items() if k in bundle})}"
             for index, node in enumerate(node_totals[:MAX_NODES_SHOWN])
         )
         more = (f"; and {len(node_totals) - MAX_NODES_SHOWN} more"
                 if len(node_totals) > MAX_NODES_SHOWN else "")
         raise InfeasibleResourcesError(
             f"preset {preset.name!r} asks for {asked}, but the cluster has "
-            f"{len(node_totals)} node(s) with {_describe(totals)} in total ({shown_nodes}"
+            f"{len(node_totals)} node(s) with {describe_resources(totals)} in total "
+            f"({shown_nodes}"
             f"{more}); it would wait forever. Pick a smaller preset (`raydeck presets`) or "
             "add nodes."
         )
-    if _placeable(bundle, preset.num_workers, preset.placement_strategy, node_available):
+    if placeable(bundle, preset.num_workers, preset.placement_strategy, node_available):
         return Feasibility(True, f"{asked}: fits now")
     message = (f"{asked}: feasible, but the cluster is busy; queued until running work frees "
                "resources")

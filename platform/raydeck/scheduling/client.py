@@ -19,7 +19,7 @@ from raydeck.cluster import connect_running
 from raydeck.config import Settings
 from raydeck.jobs import JobRequest, JobServer, submitted_metadata, submitted_runtime_env
 from raydeck.scheduling.actor import answer, queue_handle
-from raydeck.scheduling.policies import Resources
+from raydeck.scheduling.policies import Gang, Resources
 from raydeck.scheduling.queue import DEFAULT_TEAM, Entry, JobSpec
 from raydeck.scheduling.store import JobView
 
@@ -49,16 +49,16 @@ def job_spec(request: JobRequest, settings: Settings, team: str, priority: int,
     from raydeck.scaling import get_preset
 
     preset = get_preset(request.preset, settings.presets_file)
-    needs = Resources(preset.num_workers * preset.cpus_per_worker,
-                      preset.num_workers * preset.gpus_per_worker)
+    gang = Gang(preset.num_workers, Resources(preset.cpus_per_worker, preset.gpus_per_worker),
+                preset.placement_strategy)
     key = hashlib.sha256(json.dumps([request.job_file, request.preset, list(request.args)])
                          .encode()).hexdigest()[:32]
     runtime_env, uri, data = _package(submitted_runtime_env(request))
     return JobSpec(id=request.submission_id, team=team or DEFAULT_TEAM, priority=priority,
-                   preset=request.preset, needs=needs, key=key,
+                   preset=request.preset, needs=gang.needs, key=key,
                    entrypoint=request.entrypoint, runtime_env=runtime_env,
                    metadata=submitted_metadata(request), package_uri=uri,
-                   estimate_s=estimate_s), data
+                   estimate_s=estimate_s, gang=gang), data
 
 
 def enqueue(settings: Settings, server: JobServer, spec: JobSpec, package: bytes | None

@@ -1,14 +1,22 @@
 """Scheduling policies for a shared cluster, as small objects with one interface.
 
-Owns: :class:`Policy` (given the queue, the running jobs, the free and total resources and the
-time, say which queued jobs start now, and which running jobs of lower priority to preempt for
-the first one that cannot) and the policies: :class:`Fifo`, :class:`PriorityAging`,
-:class:`ShortestJobFirst`, :class:`FairShare` (decayed usage, weights, per-team quotas) and
-:class:`Backfill` (EASY backfill over any of them). The same objects drive the simulator
-(:mod:`raydeck.scheduling.simulator`), so what a trace replay says is what the policy does.
+Owns: :class:`Gang` (how a job's workers must be placed) and :class:`Capacity` (free
+resources, per node when known), :class:`Policy` (given the queue, the running jobs, the free
+and total resources and the time, say which queued jobs start now, and which running jobs of
+lower priority to preempt for the first one that cannot) and the policies: :class:`Fifo`,
+:class:`PriorityAging`, :class:`ShortestJobFirst`, :class:`FairShare` (decayed usage, weights,
+per-team quotas) and :class:`Backfill` (EASY backfill over any of them). The same objects drive
+the simulator (:mod:`raydeck.scheduling.simulator`), so what a trace replay says is what the
+policy does.
 
 Every policy holds per-team quotas (``quotas``): a job that would take its team over its quota
 waits without blocking other teams' jobs.
+
+Placement-aware admission: a job with a :class:`Gang` starts only when all its workers can be
+placed at once on the nodes' free resources under its preset's placement strategy
+(:func:`raydeck.scaling.place`), never on cluster totals alone: a strict-pack gang that fits the
+free total but no single node waits, so no job is ever submitted to wait half-placed in Ray.
+Fractional GPU shares count as packed onto partly used GPUs first (as Ray assigns them).
 
 Contract: a policy never starts a job that does not fit the free resources, and it never
 starts jobs past the first one it orders but cannot start, except where the policy says so
@@ -25,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from raydeck.errors import ConfigError
+from raydeck.scaling import describe_resources, place, placeable
 
 DEFAULT_AGING_S = 3600.0
 
@@ -63,9 +72,41 @@ class Resources:
         return self.gpus * 8 + self.cpus
 
 
+PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+@dataclass(frozen=True)
+class Gang:
+    """A job's workers as Ray places them: ``workers`` bundles of ``per_worker`` under a
+    placement strategy (the preset's), all at once or not at all."""
+
+    workers: int
+    per_worker: Resources
+    strategy: str = "PACK"
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"workers={self.workers}: must be >= 1")
+        if self.strategy not in PLACEMENT_STRATEGIES:
+            raise ConfigError(f"placement {self.strategy!r} is not one of "
+                              f"{', '.join(PLACEMENT_STRATEGIES)}")
+
+    @property
+    def needs(self) -> Resources:
+        return Resources(self.workers * self.per_worker.cpus, self.workers * self.per_worker.gpus)
+
+    def bundle(self) -> dict[str, float]:
+        return {"CPU": self.per_worker.cpus, "GPU": self.per_worker.gpus}
+
+    def describe(self) -> str:
+        """``4 x (1 CPU, 0.5 GPU), STRICT_PACK``."""
+        return f"{self.workers} x ({describe_resources(self.bundle())}), {self.strategy}"
+
+
 @dataclass(frozen=True)
 class QueuedJob:
-    """A job waiting to start."""
+    """A job waiting to start; ``gang`` says how its ``needs`` must be placed (None: anywhere,
+    as in the simulator's traces)."""
 
     id: str
     team: str
@@ -73,9 +114,44 @@ class QueuedJob:
     needs: Resources
     submitted_s: float
     estimate_s: float
+    gang: Gang | None = None
 
     def waited(self, now: float) -> float:
         return now - self.submitted_s
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Free resources: ``pool`` in total and, when known, what each node has free (``nodes``;
+    empty: one pool, placement not checked)."""
+
+    pool: Resources
+    nodes: tuple[Resources, ...] = ()
+
+    def fits(self, job: QueuedJob) -> bool:
+        """Whether ``job`` can start now: within the pool and, for a gang, placed whole."""
+        if not self.pool.fits(job.needs):
+            return False
+        return not self.nodes or job.gang is None or placeable(
+            job.gang.bundle(), job.gang.workers, job.gang.strategy, self._node_dicts())
+
+    def take(self, job: QueuedJob) -> Capacity:
+        """What is left once ``job`` holds its resources (on the nodes :meth:`fits` chose)."""
+        nodes = list(self.nodes)
+        if nodes and job.gang is not None:
+            chosen = place(job.gang.bundle(), job.gang.workers, job.gang.strategy,
+                           self._node_dicts()) or []
+            for index in chosen:
+                nodes[index] = nodes[index] - job.gang.per_worker
+        return Capacity(self.pool - job.needs, tuple(nodes))
+
+    def describe_nodes(self) -> str:
+        """``node 0: 1 GPU, 3 CPU; node 1: 0 GPU, 4 CPU``."""
+        return "; ".join(f"node {i}: {node.gpus:g} GPU, {node.cpus:g} CPU"
+                         for i, node in enumerate(self.nodes))
+
+    def _node_dicts(self) -> list[dict[str, float]]:
+        return [{"CPU": node.cpus, "GPU": node.gpus} for node in self.nodes]
 
 
 @dataclass(frozen=True)
@@ -140,19 +216,19 @@ class Policy(abc.ABC):
         return None
 
     def decide(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
-               free: Resources, total: Resources, now: float) -> list[QueuedJob]:
-        """Jobs to start now, in order: as many of the ordered queue as fit, up to the first
-        that does not (jobs a quota holds back are skipped, not blocking)."""
+               free: Capacity, total: Resources, now: float) -> list[QueuedJob]:
+        """Jobs to start now, in order: as many of the ordered queue as fit (placed whole), up
+        to the first that does not (jobs a quota holds back are skipped, not blocking)."""
         started: list[QueuedJob] = []
         running = list(running)
         for job in self.order(queue, running, now):
             if not self.allowed(job, running):
                 continue
-            if not free.fits(job.needs):
+            if not free.fits(job):
                 break
             started.append(job)
             running.append(RunningJob(job, now))
-            free = free - job.needs
+            free = free.take(job)
         return started
 
     def preempt(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
@@ -162,7 +238,9 @@ class Policy(abc.ABC):
         checkpoint, lowest priority first and, among equals, the one that loses least work
         (the most recent checkpoint). None unless stopping them makes the job fit.
 
-        ``running`` and ``free`` leave out (and count as free) jobs already stopping.
+        ``running`` and ``free`` leave out (and count as free) jobs already stopping. Counted
+        in totals: which nodes a victim frees is not known, so a gang that would still not be
+        placed after its victims stop waits for more to end (it never starts half-placed).
         """
         head = next((job for job in self.order(queue, running, now)
                      if self.allowed(job, running)), None)
@@ -280,25 +358,25 @@ class Backfill(Policy):
         self.base.ended(job, now)
 
     def decide(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
-               free: Resources, total: Resources, now: float) -> list[QueuedJob]:
+               free: Capacity, total: Resources, now: float) -> list[QueuedJob]:
         ordered = self.base.order(queue, running, now)
         started = self.base.decide(ordered, running, free, total, now)
         now_running = [*running, *(RunningJob(j, now) for j in started)]
         for job in started:
-            free = free - job.needs
+            free = free.take(job)
         waiting = [j for j in ordered if j not in started and self.allowed(j, now_running)]
         if not waiting:
             return started
         head = waiting[0]
-        shadow_s, spare = _reservation(head, now_running, free, now)
+        shadow_s, spare = _reservation(head, now_running, free.pool, now)
         for job in waiting[1:]:
-            if not (self.allowed(job, now_running) and free.fits(job.needs)):
+            if not (self.allowed(job, now_running) and free.fits(job)):
                 continue
             ends_before = now + job.estimate_s <= shadow_s
             if ends_before or spare.fits(job.needs):
                 started.append(job)
                 now_running.append(RunningJob(job, now))
-                free = free - job.needs
+                free = free.take(job)
                 if not ends_before:
                     spare = spare - job.needs
         return started

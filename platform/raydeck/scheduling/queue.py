@@ -19,7 +19,8 @@ job the job server no longer knows (the head restarted and the job died with it)
 
 Resources a queued job may use are the smaller of what the cluster has free now (jobs started
 outside the queue count) and the total minus what the queue's active jobs hold (a job that has
-just started may not have claimed its resources yet).
+just started may not have claimed its resources yet); a job with a preset starts only when its
+whole gang can be placed on what each node has free (:class:`~raydeck.scheduling.policies.Gang`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,11 @@ from typing import Any
 import numpy as np
 
 from raydeck.errors import ConfigError, JobSubmissionError
+from raydeck.scaling import placeable
 from raydeck.scheduling.policies import (
     DEFAULT_AGING_S,
+    Capacity,
+    Gang,
     Policy,
     QueuedJob,
     Resources,
@@ -99,6 +103,7 @@ class JobSpec:
     metadata: dict[str, str] = field(default_factory=dict)
     package_uri: str = ""
     estimate_s: float | None = None
+    gang: Gang | None = None
 
     def __post_init__(self) -> None:
         if self.priority < 0:
@@ -134,8 +139,8 @@ class Launcher(abc.ABC):
         """Stop a running job."""
 
     @abc.abstractmethod
-    def resources(self) -> tuple[Resources, Resources]:
-        """``(free now, total)`` of the cluster."""
+    def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
+        """``(free now, total)`` of each node of the cluster (aligned)."""
 
 
 class Observer:
@@ -219,10 +224,18 @@ class JobQueue:
         if teams and spec.team not in teams:
             raise ConfigError(f"--team {spec.team!r} is not one of the queue's teams: "
                               f"{', '.join(sorted(teams))} (`raydeck queue --teams FILE`)")
-        _, total = self._launcher.resources()
+        _, nodes = self._launcher.resources()
+        total = _sum(nodes)
         if not total.fits(spec.needs):
             raise ConfigError(f"job {spec.id} needs {spec.needs.describe()} but the whole "
                               f"cluster has {total.describe()}: it could never start")
+        if spec.gang is not None and not placeable(
+                spec.gang.bundle(), spec.gang.workers, spec.gang.strategy,
+                [{"CPU": n.cpus, "GPU": n.gpus} for n in nodes]):
+            raise ConfigError(f"job {spec.id} needs {spec.gang.describe()}, which no placement "
+                              f"on the cluster's {len(nodes)} node(s) ("
+                              f"{Capacity(total, nodes).describe_nodes()}) holds even when "
+                              "idle: it could never start")
         quota = teams[spec.team].quota if spec.team in teams else None
         if quota is not None and not quota.fits(spec.needs):
             raise ConfigError(f"job {spec.id} needs {spec.needs.describe()}, more than team "
@@ -236,7 +249,9 @@ class JobQueue:
                      metadata_json=json.dumps(spec.metadata), package_uri=spec.package_uri,
                      estimate_s=estimate, state="queued", reason="",
                      submitted_at=self._clock(), started_at=None, ended_at=None, attempt=0,
-                     preemptions=0, checkpoint_at=None, preempt_at=None)
+                     preemptions=0, checkpoint_at=None, preempt_at=None,
+                     workers=spec.gang.workers if spec.gang else 0,
+                     placement=spec.gang.strategy if spec.gang else "")
         if not self._store.add(row):
             raise ConfigError(f"job {spec.id} is already in the queue")
         return JobView.of(row)
@@ -286,15 +301,19 @@ class JobQueue:
         return entries
 
     def _why(self, job: QueuedJob, ordered: list[QueuedJob], running: list[RunningJob],
-             free: Resources) -> str:
+             free: Capacity) -> str:
         team = self.teams().get(job.team)
         if team is not None and team.quota is not None:
             used = team_usage(job.team, running)
             if not team.quota.fits(used + job.needs):
                 return (f"needs {job.needs.describe()}; team {job.team} uses {used.describe()} "
                         f"of its {team.quota.describe()}")
-        if not free.fits(job.needs):
-            return f"needs {job.needs.describe()}; {free.gpus:g} GPU, {free.cpus:g} CPU free"
+        if not free.pool.fits(job.needs):
+            return (f"needs {job.needs.describe()}; {free.pool.gpus:g} GPU, "
+                    f"{free.pool.cpus:g} CPU free")
+        if not free.fits(job) and job.gang is not None:
+            return (f"needs {job.gang.describe()}: fits the free total, but no node "
+                    f"placement holds it now ({free.describe_nodes()} free)")
         ahead = ordered[:ordered.index(job)]
         if ahead:
             return f"behind {ahead[0].id} ({self._policy.name} order)"
@@ -381,14 +400,15 @@ class JobQueue:
             self._observer.started(chosen, now)
             started.append(job.id)
             running.append(RunningJob(job, now))
-            free = free - job.needs
+            free = free.take(job)
         stopping = {r.id for r in active if r.state == "preempting"}
+        pool = free.pool
         for row in active:
             if row.id in stopping:
-                free = free + Resources(row.cpus, row.gpus)
+                pool = pool + Resources(row.cpus, row.gpus)
         waiting = [job for job in queued if job.id not in started]
         decision = self._policy.preempt(
-            waiting, [r for r in running if r.job.id not in stopping], free, now)
+            waiting, [r for r in running if r.job.id not in stopping], pool, now)
         if decision is None:
             return started
         for victim in decision.victims:
@@ -447,20 +467,32 @@ class JobQueue:
         self._policy.ended(_running(row, now), now)
         logger.info("job %s is back in the queue: %s", row.id, why)
 
-    def _free(self, active: list[JobRow]) -> tuple[Resources, Resources]:
-        """Free and total resources, ``active`` being the queue's started jobs."""
-        available, total = self._launcher.resources()
+    def _free(self, active: list[JobRow]) -> tuple[Capacity, Resources]:
+        """Free (per node, and a pool) and total resources, ``active`` being the queue's
+        started jobs."""
+        free_nodes, total_nodes = self._launcher.resources()
+        available, total = _sum(free_nodes), _sum(total_nodes)
         held = Resources()
         for row in active:
             held = held + Resources(row.cpus, row.gpus)
         by_reservation = total - held
-        return (Resources(min(available.cpus, by_reservation.cpus),
-                          min(available.gpus, by_reservation.gpus)), total)
+        pool = Resources(min(available.cpus, by_reservation.cpus),
+                         min(available.gpus, by_reservation.gpus))
+        return Capacity(pool, free_nodes), total
+
+
+def _sum(nodes: tuple[Resources, ...]) -> Resources:
+    total = Resources()
+    for node in nodes:
+        total = total + node
+    return total
 
 
 def _queued(row: JobRow) -> QueuedJob:
+    gang = (Gang(row.workers, Resources(row.cpus / row.workers, row.gpus / row.workers),
+                 row.placement) if row.workers else None)
     return QueuedJob(row.id, row.team, row.priority, Resources(row.cpus, row.gpus),
-                     row.submitted_at, row.estimate_s)
+                     row.submitted_at, row.estimate_s, gang)
 
 
 def _running(row: JobRow, now: float) -> RunningJob:

@@ -2,8 +2,8 @@
 
 Owns: submitting a queued job with its stored working-dir package (uploaded again when Ray has
 deleted it: Ray keeps an uploaded package only while a job uses it), reading a job's status, and
-the cluster's free and total resources (``ray.available_resources`` counts jobs started outside
-the queue). Runs inside the queue's actor, which is connected to the cluster.
+each node's free and total resources (what is free counts jobs started outside the queue). Runs
+inside the queue's actor, which is connected to the cluster.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ class RayJobs(Launcher):
     def stop(self, submission_id: str) -> None:
         self._jobs().stop_job(submission_id)
 
-    def resources(self) -> tuple[Resources, Resources]:
-        import ray
+    def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
+        from raydeck.scaling import cluster_resources
 
-        available, total = ray.available_resources(), ray.cluster_resources()
-        return (Resources(available.get("CPU", 0.0), available.get("GPU", 0.0)),
-                Resources(total.get("CPU", 0.0), total.get("GPU", 0.0)))
+        totals, available = cluster_resources()
+        return (tuple(Resources(n.get("CPU", 0.0), n.get("GPU", 0.0)) for n in available),
+                tuple(Resources(n.get("CPU", 0.0), n.get("GPU", 0.0)) for n in totals))

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from raydeck.errors import ConfigError
-from raydeck.scheduling.policies import Policy, QueuedJob, Resources, RunningJob
+from raydeck.scheduling.policies import Capacity, Policy, QueuedJob, Resources, RunningJob
 
 COLUMNS = ("id", "submit_s", "duration_s", "cpus", "gpus", "team", "priority", "estimate_s")
 
@@ -220,7 +220,8 @@ def simulate(trace: Sequence[TraceJob], policy: Policy, capacity: Resources,
                 queue.append(arrival)
         if not queue:
             continue
-        for chosen in policy.decide(queue, list(running.values()), free, capacity, now):
+        for chosen in policy.decide(queue, list(running.values()), Capacity(free), capacity,
+                                    now):
             queue.remove(chosen)
             running[chosen.id] = RunningJob(chosen, now)
             started[chosen.id] = now

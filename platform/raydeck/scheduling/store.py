@@ -15,8 +15,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Float, Integer, LargeBinary, String, Text, create_engine, select
+from sqlalchemy import (
+    Engine,
+    Float,
+    Integer,
+    LargeBinary,
+    String,
+    Text,
+    create_engine,
+    inspect,
+    select,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
+from sqlalchemy.schema import CreateColumn
 
 # A ``preempting`` job still holds its resources: it was asked to stop at its next checkpoint.
 ACTIVE = ("starting", "running", "preempting")
@@ -50,10 +61,14 @@ class JobRow(_Base):
     started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     ended_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     # Each start after a preemption is a new job on the job server (its ids are never reused).
-    attempt: Mapped[int] = mapped_column(Integer, default=0)
-    preemptions: Mapped[int] = mapped_column(Integer, default=0)
+    attempt: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     checkpoint_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     preempt_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The gang: ``workers`` bundles of (cpus, gpus) / workers placed under ``placement``
+    # (0 workers: no gang, placed anywhere).
+    workers: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    placement: Mapped[str] = mapped_column(String(16), default="", server_default="")
 
     @property
     def submission_id(self) -> str:
@@ -112,6 +127,7 @@ class Store:
     def __init__(self, url: str) -> None:
         self._engine = create_engine(url, future=True)
         _Base.metadata.create_all(self._engine)
+        _add_new_columns(self._engine)
         self._sessions = sessionmaker(self._engine, expire_on_commit=False)
 
     @contextmanager
@@ -178,3 +194,16 @@ class Store:
             else:
                 row.value = json.dumps(value)
 
+
+
+def _add_new_columns(engine: Engine) -> None:
+    """Add the columns a newer raydeck defines to a queue database an older one created
+    (``create_all`` makes missing tables only), so an upgrade keeps every queued job; the
+    rows get each column's server default."""
+    table = _Base.metadata.tables[JobRow.__tablename__]
+    have = {column["name"] for column in inspect(engine).get_columns(table.name)}
+    with engine.begin() as connection:
+        for column in table.columns:
+            if column.name not in have:
+                spec = CreateColumn(column).compile(dialect=engine.dialect)
+                connection.exec_driver_sql(f"ALTER TABLE {table.name} ADD COLUMN {spec}")
