@@ -239,11 +239,11 @@ def test_a_low_priority_job_is_preempted_at_a_checkpoint_and_resumes_in_its_run(
     _ok(cluster.cli("queue", "--policy", "priority"))
     epochs = 60
 
-    def digits(name: str, priority: int, epochs: int) -> None:
-        _ok(cluster.cli("submit", "digits_torch.py", "--queue", "--no-check", "--runtime-env",
-                        "runtime.yaml", "--preset", "d5", "--run-name", name, "--run-id", name,
-                        "--team", "c", "--priority", str(priority), "--", "--epochs",
-                        str(epochs)))
+    def digits(name: str, priority: int, epochs: int) -> str:
+        return _ok(cluster.cli(
+            "submit", "digits_torch.py", "--queue", "--no-check", "--runtime-env",
+            "runtime.yaml", "--preset", "d5", "--run-name", name, "--run-id", name, "--team",
+            "c", "--priority", str(priority), "--", "--epochs", str(epochs)))
 
     digits("pre-low", 0, epochs)
     wait_until(lambda: _latest_epoch(mlflow_client, "pre-low") >= 1, 300,
@@ -275,8 +275,19 @@ def test_a_low_priority_job_is_preempted_at_a_checkpoint_and_resumes_in_its_run(
     assert tags["raydeck.checkpoint.resumed_from_epoch"] == str(stopped_epoch)
     history = mlflow_client.get_metric_history(low_run.info.run_id, "val_accuracy")
     assert sorted(point.step for point in history) == list(range(epochs)), "each epoch once"
-    assert _run_of(mlflow_client, "pre-high").info.status == "FINISHED"
+    high_run = _run_of(mlflow_client, "pre-high")
+    assert high_run.info.status == "FINISHED"
     assert "raydeck-pre-low" not in _ok(cluster.cli("queue"))
+
+    # The same job again (job file, preset and arguments; another run name), no --estimate:
+    # the queue expects what the earlier run took in MLflow.
+    from raydeck.cli._console import format_duration
+
+    took = (high_run.info.end_time - high_run.info.start_time) / 1000
+    assert high_run.data.tags["raydeck.job_key"] != low_run.data.tags["raydeck.job_key"]
+    again = digits("pre-again", 5, 3)
+    _ok(cluster.cli("cancel", "raydeck-pre-again"))
+    assert f"expected {format_duration(took)};" in again, (took, again)
     print(f"\npreemption: low stopped {stopped.end_time / 1000 - asked_at:.1f} s after the "
           f"high job was queued (after epoch {stopped_epoch} of {epochs}); high started "
           f"{(high.start_time - stopped.end_time) / 1000:.1f} s after; low resumed "

@@ -28,6 +28,7 @@ Three facts of Ray 2.60 shape this module:
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import ipaddress
 import json
 import logging
@@ -56,6 +57,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_JOB_SERVER = "http://127.0.0.1:8265"
+# "The same job" across submissions: the job's driver tags its MLflow run with the key, and the
+# queue predicts durations from earlier runs with that tag.
+JOB_KEY_ENV = "RAYDECK_JOB_KEY"
+JOB_KEY_TAG = "raydeck.job_key"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
@@ -442,6 +447,13 @@ class JobRequest:
     def submission_id(self) -> str:
         return f"raydeck-{self.run_id}"
 
+    @property
+    def key(self) -> str:
+        """Names "the same job" across submissions: its job file, preset and arguments (not
+        its run name or id). Runs carry it as the MLflow tag ``raydeck.job_key``."""
+        same = json.dumps([self.job_file, self.preset, list(self.args)])
+        return hashlib.sha256(same.encode()).hexdigest()[:32]
+
 
 def new_run_id(run_name: str) -> str:
     """A fresh run id for ``run_name``: readable, unique, and legal as ``RAYDECK_RUN_ID``."""
@@ -467,9 +479,10 @@ def check_job_file(job_file: str, runtime_env: Mapping[str, Any]) -> None:
 
 
 def submitted_runtime_env(request: JobRequest) -> dict[str, Any]:
-    """The runtime env a job is submitted with: the request's, plus its run id."""
+    """The runtime env a job is submitted with: the request's, plus its run id and job key."""
     runtime_env = dict(request.runtime_env)
-    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), RUN_ID_ENV: request.run_id}
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), RUN_ID_ENV: request.run_id,
+                               JOB_KEY_ENV: request.key}
     return runtime_env
 
 

@@ -31,3 +31,14 @@ def setup_logging(level: str) -> None:
     root.propagate = False
     for noisy in ("ray", "mlflow", "alembic", "urllib3"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def format_duration(seconds: float | None) -> str:
+    """``5s``, ``3m07s``, ``2h05m`` (``-`` when unknown): the CLI's one way to show a duration."""
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"

@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from raydeck.cli._console import console, err_console, setup_logging
+from raydeck.cli._console import console, err_console, format_duration, setup_logging
 
 if TYPE_CHECKING:
     from raydeck.config import Settings
@@ -45,8 +45,9 @@ def submit(
                                "(`raydeck queue`) instead of starting it now."),
     team: str = typer.Option("default", help="With --queue: the team it counts against."),
     priority: int = typer.Option(0, help="With --queue: higher starts first (>= 0)."),
-    estimate: str = typer.Option(None, help="With --queue: expected duration, e.g. 30m, 2h "
-                                 "(default: predicted from earlier runs of the same job)."),
+    estimate: str = typer.Option(None, help="With --queue: expected duration, e.g. 30m, 2h, "
+                                 "for a job never run before (earlier runs of the same job in "
+                                 "MLflow predict it otherwise)."),
 ) -> None:
     """Submit a job file with a preset and a runtime env; stream its log; show its MLflow run.
 
@@ -153,7 +154,8 @@ def _enqueue(settings: Settings, server: JobServer, request: JobRequest, team: s
     spec, package = job_spec(request, settings, team, priority, estimate_s)
     view = enqueue(settings, server, spec, package)
     console.print(f"queued [bold]{view.id}[/] for team {view.team}, priority {view.priority}, "
-                  f"expected {view.estimate_s / 60:.0f} min; see `raydeck queue`", soft_wrap=True)
+                  f"expected {format_duration(view.estimate_s)}; see `raydeck queue`",
+                  soft_wrap=True)
 
 
 def _wait_for_run_end(settings: Settings, run_id: str) -> None:
@@ -189,12 +191,6 @@ def _echo(chunk: str) -> None:
     sys.stdout.flush()
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    minutes, secs = divmod(int(seconds), 60)
-    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
-
 
 def jobs(
     address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
@@ -219,7 +215,7 @@ def jobs(
                    if view.started_s else "-")
         link = "-" if run is None else (run.url or run.mlflow_run_id or f"run id {run.run_id}")
         # Entrypoints are whatever anyone submitted: a command line may hold a credential.
-        table.add_row(view.submission_id, view.status, started, _duration(view.duration_s),
+        table.add_row(view.submission_id, view.status, started, format_duration(view.duration_s),
                       redact_text(view.entrypoint), link)
     if not views:
         err_console.print("no jobs yet")

@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from raydeck.cli._console import console, err_console, setup_logging
+from raydeck.cli._console import console, err_console, format_duration, setup_logging
 
 if TYPE_CHECKING:
     from raydeck.config import Settings
@@ -64,14 +64,16 @@ def queue(
     name, entries = listing(settings, server, policy, aging_s, team_specs)
     now = time.time()
     table = Table(title=f"queue (policy {name})")
-    for column in ("#", "job", "team", "prio", "needs", "state", "waited", "start", "why"):
+    for column in ("#", "job", "team", "prio", "needs", "state", "waited", "expected", "start",
+                   "why"):
         table.add_column(column, overflow="fold")
     for entry in entries:
         job = entry.job
         needs = f"{job.gpus:g} GPU, {job.cpus:g} CPU" if job.gpus else f"{job.cpus:g} CPU"
         waited = f"{((job.started_at or now) - job.submitted_at) / 60:.1f}m"
         table.add_row(str(entry.position or "-"), escape(job.id), job.team, str(job.priority),
-                      needs, job.state, waited, _clock(entry.predicted_start_s),
+                      needs, job.state, waited, format_duration(job.estimate_s),
+                      _clock(entry.predicted_start_s),
                       escape(entry.why))
     if not entries:
         err_console.print("the queue is empty")

@@ -16,7 +16,13 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from raydeck.cli._console import EXIT_USER_ERROR, console, err_console, setup_logging
+from raydeck.cli._console import (
+    EXIT_USER_ERROR,
+    console,
+    err_console,
+    format_duration,
+    setup_logging,
+)
 
 if TYPE_CHECKING:
     from raydeck.stack.supervisor import ServiceStatus, Stack
@@ -50,13 +56,6 @@ def _parse_ports(values: list[str]) -> dict[str, int]:
     return ports
 
 
-def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    minutes, secs = divmod(int(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
-
 
 def _table(rows: Iterable[ServiceStatus]) -> Table:
     colours = {"running": "green", "unhealthy": "yellow", "crashed": "red", "stopped": "dim"}
@@ -69,7 +68,7 @@ def _table(rows: Iterable[ServiceStatus]) -> Table:
                       ", ".join(str(p) for p in row.ports.values()) or "-",
                       escape(next(iter(row.urls.values()), "-")),
                       f"{row.memory_bytes / MIB:.0f} MiB" if row.memory_bytes else "-",
-                      _duration(row.uptime_s))
+                      format_duration(row.uptime_s))
     return table
 
 

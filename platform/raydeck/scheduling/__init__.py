@@ -1,16 +1,20 @@
 """Scheduling jobs on a shared cluster: policies, a trace simulator and the job queue.
 
 Modules: :mod:`~raydeck.scheduling.policies` (FIFO, priority with aging, shortest job first,
-fair share with quotas, EASY backfill, preemption victims; one interface),
+fair share with quotas, EASY backfill, preemption victims, placement-aware admission; one
+interface),
 :mod:`~raydeck.scheduling.simulator` (replaying a trace through a policy without Ray; seeded
 heavy-tailed traces), the queue (:mod:`~raydeck.scheduling.queue`, its store, actor, client and
-job server) and :mod:`~raydeck.scheduling.preemption` (a queued job's side of preemption).
+job server), :mod:`~raydeck.scheduling.history` (earlier durations of a job, from MLflow) and
+:mod:`~raydeck.scheduling.preemption` (a queued job's side of preemption).
 """
 
 from raydeck.scheduling.policies import (
     Backfill,
+    Capacity,
     FairShare,
     Fifo,
+    Gang,
     Policy,
     Preemption,
     PriorityAging,
@@ -31,7 +35,7 @@ from raydeck.scheduling.simulator import (
 )
 
 __all__ = [
-    "Backfill", "FairShare", "Fifo", "Policy", "Preemption", "PriorityAging", "QueuedJob",
-    "Report", "Resources", "RunningJob", "Scheduled", "ShortestJobFirst", "TraceJob",
+    "Backfill", "Capacity", "FairShare", "Fifo", "Gang", "Policy", "Preemption", "PriorityAging",
+    "QueuedJob", "Report", "Resources", "RunningJob", "Scheduled", "ShortestJobFirst", "TraceJob",
     "generate_trace", "make_policy", "read_trace", "simulate", "write_trace",
 ]

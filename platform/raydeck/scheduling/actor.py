@@ -35,6 +35,7 @@ class QueueActor:
 
     def __init__(self, server: JobServer, tick_s: float = DEFAULT_TICK_S) -> None:
         from raydeck.config import load_settings
+        from raydeck.scheduling.history import mlflow_durations
         from raydeck.scheduling.queue import JobQueue
         from raydeck.scheduling.ray_jobs import RayJobs
         from raydeck.scheduling.store import Store
@@ -44,7 +45,11 @@ class QueueActor:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         url = os.environ.get(DATABASE_URL_ENV) or f"sqlite:///{settings.data_dir / 'queue.db'}"
         self._lock = threading.Lock()
-        self._queue = JobQueue(Store(url), RayJobs(server), observer=QueueMetrics())
+        uri = settings.tracking.uri
+        history = ((lambda key: mlflow_durations(uri, key)) if settings.tracking.enabled
+                   else None)
+        self._queue = JobQueue(Store(url), RayJobs(server), observer=QueueMetrics(),
+                               history=history)
         self._stop = threading.Event()
         self._tick_s = tick_s
         threading.Thread(target=self._loop, name="raydeck-queue-tick", daemon=True).start()

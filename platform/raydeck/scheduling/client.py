@@ -9,8 +9,6 @@ to the queue actor. Every function connects to the cluster first.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -51,11 +49,9 @@ def job_spec(request: JobRequest, settings: Settings, team: str, priority: int,
     preset = get_preset(request.preset, settings.presets_file)
     gang = Gang(preset.num_workers, Resources(preset.cpus_per_worker, preset.gpus_per_worker),
                 preset.placement_strategy)
-    key = hashlib.sha256(json.dumps([request.job_file, request.preset, list(request.args)])
-                         .encode()).hexdigest()[:32]
     runtime_env, uri, data = _package(submitted_runtime_env(request))
     return JobSpec(id=request.submission_id, team=team or DEFAULT_TEAM, priority=priority,
-                   preset=request.preset, needs=gang.needs, key=key,
+                   preset=request.preset, needs=gang.needs, key=request.key,
                    entrypoint=request.entrypoint, runtime_env=runtime_env,
                    metadata=submitted_metadata(request), package_uri=uri,
                    estimate_s=estimate_s, gang=gang), data

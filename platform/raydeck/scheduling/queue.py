@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from raydeck.errors import ConfigError, JobSubmissionError
+from raydeck.redaction import redact_text
 from raydeck.scaling import placeable
 from raydeck.scheduling.policies import (
     DEFAULT_AGING_S,
@@ -168,9 +169,14 @@ class JobQueue:
 
     def __init__(self, store: Store, launcher: Launcher,
                  clock: Callable[[], float] = time.time,
-                 observer: Observer | None = None) -> None:
+                 observer: Observer | None = None,
+                 history: Callable[[str], list[float]] | None = None) -> None:
+        """``history(key)``: how long earlier runs of the job with that key took, newest first
+        (MLflow's: :func:`raydeck.scheduling.history.mlflow_durations`); the queue's own
+        record of the jobs it ran is used when it has none or fails."""
         self._store = store
         self._launcher = launcher
+        self._history = history
         self._clock = clock
         self._observer = observer or Observer()
         self._policy = self._make_policy()
@@ -240,7 +246,8 @@ class JobQueue:
         if quota is not None and not quota.fits(spec.needs):
             raise ConfigError(f"job {spec.id} needs {spec.needs.describe()}, more than team "
                               f"{spec.team}'s quota of {quota.describe()}")
-        estimate = spec.estimate_s or self.predict(spec.key) or DEFAULT_ESTIMATE_S
+        # History beats a guess: the user's estimate counts only for a job never run before.
+        estimate = self.predict(spec.key) or spec.estimate_s or DEFAULT_ESTIMATE_S
         if package is not None and spec.package_uri:
             self._store.add_package(spec.package_uri, package)
         row = JobRow(id=spec.id, team=spec.team, priority=spec.priority, cpus=spec.needs.cpus,
@@ -257,9 +264,17 @@ class JobQueue:
         return JobView.of(row)
 
     def predict(self, key: str) -> float | None:
-        """Predicted duration of a job from earlier runs of the same job (same entrypoint,
-        preset and arguments): the 75th percentile of their durations, or None."""
-        durations = self._store.durations(key)
+        """Predicted duration of a job from earlier runs of the same job (same job file,
+        preset and arguments): the 75th percentile of their durations in MLflow (runs started
+        outside the queue count), else in the queue's own record, else None."""
+        durations: list[float] = []
+        if self._history is not None:
+            try:
+                durations = self._history(key)
+            except Exception as exc:  # MLflow down: predict from what the queue knows
+                logger.warning("no duration history from MLflow (%s); using the queue's own",
+                               redact_text(str(exc)).splitlines()[0][:200])
+        durations = durations or self._store.durations(key)
         return float(np.quantile(durations, PREDICTION_QUANTILE)) if durations else None
 
     def cancel(self, job_id: str) -> JobView:
