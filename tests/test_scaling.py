@@ -54,6 +54,18 @@ def test_fractional_presets_divide_a_gpu_exactly() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_workers_sharing_a_gpu_train_with_gloo_because_nccl_refuses_them() -> None:
+    # On an H200, four gpu-quarter ranks under NCCL failed with "Duplicate GPU detected"; the
+    # same workers trained with gloo (docs/gpu.md).
+    from raydeck.training import torch_config
+
+    backends = {name: torch_config(get_preset(name).scaling_config()).backend
+                for name in ("gpu-half", "gpu-quarter", "gpu-pack", "gpu-1", "gpu-2", "cpu-2")}
+    assert backends == {"gpu-half": "gloo", "gpu-quarter": "gloo", "gpu-pack": "gloo",
+                        "gpu-1": None, "gpu-2": None, "cpu-2": None}
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

@@ -33,6 +33,21 @@ def checkpoint_storage_path(settings: Settings) -> str:
     return checkpoint_storage(settings).uri
 
 
+def torch_config(scaling_config: Any) -> Any:
+    """The ``TorchConfig`` for workers with ``scaling_config``'s resources.
+
+    NCCL refuses two ranks on one GPU (``ncclInvalidUsage: Duplicate GPU detected``, seen on an
+    H200 with the gpu-quarter preset), and workers with a share of a GPU (``gpu-half``,
+    ``gpu-quarter``, ``gpu-pack``...) share one: they use gloo, which all-reduces CUDA tensors
+    too. Whole-GPU and CPU workers keep Ray Train's default (NCCL on GPUs, gloo on CPUs).
+    """
+    from ray.train.torch import TorchConfig
+
+    resources = scaling_config.resources_per_worker or {}
+    gpus = float(resources.get("GPU", 1.0 if scaling_config.use_gpu else 0.0))
+    return TorchConfig(backend="gloo") if 0 < gpus < 1 else TorchConfig()
+
+
 def fit(
     train_fn: Callable[[dict[str, Any]], None],
     *,
@@ -81,6 +96,7 @@ def fit(
         train_loop_config=train_loop_config,
         scaling_config=scaling_config,
         run_config=run_config,
+        torch_config=torch_config(scaling_config),
     )
     result = trainer.fit()
     preemption.end_if_preempted(tracker, result)

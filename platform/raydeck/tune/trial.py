@@ -364,6 +364,7 @@ def _fit_distributed(job: SweepJob, config: SweepConfig, trial_config: dict[str,
 
     from raydeck.checkpointing import log_points
     from raydeck.storage import checkpoint_storage
+    from raydeck.training import torch_config
 
     reports: Any = Queue(maxsize=1, actor_options={"num_cpus": 0})
     outcome: dict[str, Any] = {}
@@ -372,6 +373,7 @@ def _fit_distributed(job: SweepJob, config: SweepConfig, trial_config: dict[str,
         job.train_fn,
         train_loop_config={**trial_config, "data": data},
         scaling_config=preset.scaling_config(),
+        torch_config=torch_config(preset.scaling_config()),
         run_config=trial.tracker().run_config(
             **checkpoint_storage(settings).run_config_kwargs(),
             failure_config=FailureConfig(max_failures=preset.max_failures),
