@@ -38,8 +38,8 @@ CHECK_STEP_S = 2.0
 CHECK_RATE_INTERVAL_S = 10.0
 PLAIN_GAUGE = "raydeck_test_plain_gauge"
 RAY_DASHBOARDS_SUBDIR = Path("metrics/grafana/dashboards")
-# Exported only by a Serve replica or the queue actor, which this module does not run: Serving's
-# are checked live by tests/test_serving.py; the Queue dashboard is not yet checked live.
+# Exported only by a Serve replica or the queue actor, which this module does not run: checked
+# live by tests/test_serving.py and tests/test_queue.py.
 LIVE_ELSEWHERE = ("raydeck-serving", "raydeck-queue")
 LIVE_ELSEWHERE_METRICS = ("raydeck_serving_", "raydeck_queue_")
 

@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from tests.fixtures.processes import wait_until
+from tests.fixtures.prometheus import DASHBOARDS_DIR, PrometheusServer, for_ray_session
 from tests.fixtures.ray_head import RayHead, head_env
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -45,6 +46,7 @@ class Cluster:
     workdir: Path
     env: dict[str, str]
     log: Path
+    prometheus: PrometheusServer
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "raydeck.cli", *args], cwd=self.workdir,
@@ -82,11 +84,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, raydeck_env: dict[str, str
     env = head_env(raydeck_env["RAYDECK_TRACKING_URI"], root / "data",
                    RAYDECK_PRESETS_FILE=str(root / "presets.yaml"))
     head = RayHead(root / "head", env, num_cpus=8, num_gpus=4).start()
+    prometheus = None
     try:
+        # Scraping from the start: the Queue dashboard's rates need the jobs' whole history.
+        prometheus = for_ray_session(root / "prometheus", head.temp_dir / "session_latest")
         yield Cluster(head, workdir, {**env, **head.client_env, "COLUMNS": "250",
                                       "RAYDECK_RAY_ADDRESS": head.gcs_address},
-                      root / "runs.jsonl")
+                      root / "runs.jsonl", prometheus)
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         head.stop()
 
 
@@ -292,6 +299,33 @@ def test_a_low_priority_job_is_preempted_at_a_checkpoint_and_resumes_in_its_run(
           f"high job was queued (after epoch {stopped_epoch} of {epochs}); high started "
           f"{(high.start_time - stopped.end_time) / 1000:.1f} s after; low resumed "
           f"{(resumed.start_time - high.end_time) / 1000:.1f} s after high ended")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_queue_dashboard_has_data_for_every_panel(cluster: Cluster) -> None:
+    """After the jobs above (three teams, a preemption, a prediction): every panel of the Queue
+    dashboard has data in a real Prometheus scraping this cluster."""
+    from raydeck.observability.dashboards import check, load_dashboards
+    from raydeck.observability.metrics import METRICS
+
+    dashboard = [d for d in load_dashboards(DASHBOARDS_DIR) if d.uid == "raydeck-queue"]
+    missing: list[str] = []
+
+    def every_panel_has_data() -> bool:
+        results = check(dashboard, cluster.prometheus.client, range_s=1800,
+                        rate_interval_s=600)
+        assert not [r.error for r in results if r.error]
+        missing[:] = [f"{r.panel}: {r.expr}" for r in results
+                      if not r.series and not r.empty_ok]
+        return not missing
+
+    try:
+        wait_until(every_panel_has_data, 120, "every Queue panel to have data", interval_s=2)
+    except TimeoutError:
+        raise AssertionError(f"Queue panels without data: {missing}") from None
+    queue = [m for m in METRICS if m.name.startswith("raydeck_queue_")]
+    assert not cluster.prometheus.unexported(queue, 1800)
 
 
 @pytest.mark.slow
