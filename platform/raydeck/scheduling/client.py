@@ -51,7 +51,7 @@ def job_spec(request: JobRequest, settings: Settings, team: str, priority: int,
                 preset.placement_strategy)
     runtime_env, uri, data = _package(submitted_runtime_env(request))
     return JobSpec(id=request.submission_id, team=team or DEFAULT_TEAM, priority=priority,
-                   preset=request.preset, needs=gang.needs, key=request.key,
+                   preset=request.preset, needs=gang.needs, key=request.digest,
                    entrypoint=request.entrypoint, runtime_env=runtime_env,
                    metadata=submitted_metadata(request), package_uri=uri,
                    estimate_s=estimate_s, gang=gang), data

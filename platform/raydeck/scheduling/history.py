@@ -1,7 +1,7 @@
 """How long the same job ran before, read from MLflow.
 
 Owns: :func:`mlflow_durations`, the queue's source for duration prediction. Every job submitted
-with ``raydeck submit`` (queued or not) tags its MLflow run with its job key (``raydeck.job_key``:
+with ``raydeck submit`` (queued or not) tags its MLflow run with its digest (``raydeck.job_digest``:
 job file, preset and arguments), so the history covers every run of the job that MLflow has,
 not only those the queue started. A run's duration is its MLflow start to end (the driver's
 training time, without the job's environment setup). Runs that were preempted are left out:
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from raydeck.jobs import JOB_KEY_TAG
+from raydeck.jobs import JOB_DIGEST_TAG
 from raydeck.scheduling.preemption import PREEMPTIONS_TAG
 
 HISTORY_RUNS = 20
@@ -35,7 +35,7 @@ def mlflow_durations(tracking_uri: str, key: str, limit: int = HISTORY_RUNS) -> 
     if not experiments:
         return []
     runs = client.search_runs(
-        experiments, filter_string=f"tags.`{JOB_KEY_TAG}` = '{key}' AND "
+        experiments, filter_string=f"tags.`{JOB_DIGEST_TAG}` = '{key}' AND "
                                    "attributes.status = 'FINISHED'",
         order_by=["attributes.end_time DESC"], max_results=limit)
     return [(run.info.end_time - run.info.start_time) / 1000 for run in runs

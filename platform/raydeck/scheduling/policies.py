@@ -96,7 +96,9 @@ class Gang:
         return Resources(self.workers * self.per_worker.cpus, self.workers * self.per_worker.gpus)
 
     def bundle(self) -> dict[str, float]:
-        return {"CPU": self.per_worker.cpus, "GPU": self.per_worker.gpus}
+        """One worker's Ray resources (no GPU key for a CPU worker)."""
+        gpus = {"GPU": self.per_worker.gpus} if self.per_worker.gpus else {}
+        return {"CPU": self.per_worker.cpus, **gpus}
 
     def describe(self) -> str:
         """``4 x (1 CPU, 0.5 GPU), STRICT_PACK``."""
@@ -132,8 +134,11 @@ class Capacity:
         """Whether ``job`` can start now: within the pool and, for a gang, placed whole."""
         if not self.pool.fits(job.needs):
             return False
-        return not self.nodes or job.gang is None or placeable(
-            job.gang.bundle(), job.gang.workers, job.gang.strategy, self._node_dicts())
+        return not self.nodes or job.gang is None or self.places(job.gang)
+
+    def places(self, gang: Gang) -> bool:
+        """Whether every worker of ``gang`` finds a node at once (:func:`raydeck.scaling.place`)."""
+        return placeable(gang.bundle(), gang.workers, gang.strategy, self._node_dicts())
 
     def take(self, job: QueuedJob) -> Capacity:
         """What is left once ``job`` holds its resources (on the nodes :meth:`fits` chose)."""

@@ -38,7 +38,6 @@ import numpy as np
 
 from raydeck.errors import ConfigError, JobSubmissionError
 from raydeck.redaction import redact_text
-from raydeck.scaling import placeable
 from raydeck.scheduling.policies import (
     DEFAULT_AGING_S,
     Capacity,
@@ -235,13 +234,11 @@ class JobQueue:
         if not total.fits(spec.needs):
             raise ConfigError(f"job {spec.id} needs {spec.needs.describe()} but the whole "
                               f"cluster has {total.describe()}: it could never start")
-        if spec.gang is not None and not placeable(
-                spec.gang.bundle(), spec.gang.workers, spec.gang.strategy,
-                [{"CPU": n.cpus, "GPU": n.gpus} for n in nodes]):
+        idle = Capacity(total, nodes)
+        if spec.gang is not None and not idle.places(spec.gang):
             raise ConfigError(f"job {spec.id} needs {spec.gang.describe()}, which no placement "
-                              f"on the cluster's {len(nodes)} node(s) ("
-                              f"{Capacity(total, nodes).describe_nodes()}) holds even when "
-                              "idle: it could never start")
+                              f"on the cluster's {len(nodes)} node(s) ({idle.describe_nodes()}) "
+                              "holds even when idle: it could never start")
         quota = teams[spec.team].quota if spec.team in teams else None
         if quota is not None and not quota.fits(spec.needs):
             raise ConfigError(f"job {spec.id} needs {spec.needs.describe()}, more than team "

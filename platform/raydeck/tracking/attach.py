@@ -28,7 +28,7 @@ from typing import Any
 from raydeck.cluster import connect
 from raydeck.config import RUN_KEY_PATTERN, Settings, load_settings
 from raydeck.errors import ConfigError
-from raydeck.jobs import JOB_KEY_ENV, JOB_KEY_TAG
+from raydeck.jobs import JOB_DIGEST_ENV, JOB_DIGEST_TAG
 from raydeck.tracking import lifecycle
 from raydeck.tracking.context import detect_process
 from raydeck.tracking.messages import AttachRequest, RunBinding
@@ -100,11 +100,11 @@ def get_tracker(
         and threading.current_thread() is threading.main_thread())
     if params:
         tracker.log_params(params)
-    job_key = os.environ.get(JOB_KEY_ENV)
-    if job_key and process.role == "driver":
+    digest = os.environ.get(JOB_DIGEST_ENV)
+    if digest and process.role == "driver":
         # A submitted job's run names the job it is a run of: the queue predicts durations
         # from earlier runs of the same job.
-        tags = {**(tags or {}), JOB_KEY_TAG: job_key}
+        tags = {**(tags or {}), JOB_DIGEST_TAG: digest}
     if tags:
         tracker.set_tags(tags)
     return tracker
