@@ -80,8 +80,11 @@ def test_jobs_started_in_one_decision_take_their_nodes_room() -> None:
     queue = [_job(f"strict-{i}", STRICT, float(i)) for i in range(3)]
     started = make_policy("fifo").decide(queue, [], free, Resources(8, 4), now=5.0)
     assert [j.id for j in started] == ["strict-0", "strict-1"]
-    left = free.take(started[0]).take(started[1])
-    assert left.nodes == (Resources(0, 0), Resources(0, 0)) and left.pool == Resources(0, 0)
+    after_first = free.after(started[0])
+    assert after_first is not None
+    left = after_first.after(started[1])
+    assert left is not None and left.pool == Resources(0, 0)
+    assert left.nodes == (Resources(0, 0), Resources(0, 0))
 
 
 def test_a_gang_names_its_bad_field() -> None:

@@ -17,7 +17,7 @@ from raydeck.cluster import connect_running
 from raydeck.config import Settings
 from raydeck.jobs import JobRequest, JobServer, submitted_metadata, submitted_runtime_env
 from raydeck.scheduling.actor import answer, queue_handle
-from raydeck.scheduling.policies import Gang, Resources
+from raydeck.scheduling.policies import Gang
 from raydeck.scheduling.queue import DEFAULT_TEAM, Entry, JobSpec
 from raydeck.scheduling.store import JobView
 
@@ -47,8 +47,7 @@ def job_spec(request: JobRequest, settings: Settings, team: str, priority: int,
     from raydeck.scaling import get_preset
 
     preset = get_preset(request.preset, settings.presets_file)
-    gang = Gang(preset.num_workers, Resources(preset.cpus_per_worker, preset.gpus_per_worker),
-                preset.placement_strategy)
+    gang = Gang.of(preset)
     runtime_env, uri, data = _package(submitted_runtime_env(request))
     return JobSpec(id=request.submission_id, team=team or DEFAULT_TEAM, priority=priority,
                    preset=request.preset, needs=gang.needs, key=request.digest,

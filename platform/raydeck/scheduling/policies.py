@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from raydeck.errors import ConfigError
-from raydeck.scaling import describe_resources, place, placeable
+from raydeck.scaling import Preset, describe_resources, place
 
 DEFAULT_AGING_S = 3600.0
 
@@ -71,6 +71,23 @@ class Resources:
         """One number for usage accounting: GPUs dominate (a GPU counts as 8 CPUs)."""
         return self.gpus * 8 + self.cpus
 
+    @classmethod
+    def of_node(cls, node: Mapping[str, float]) -> Resources:
+        """A node's CPUs and GPUs from Ray's resource dict (``{"CPU": 8, "GPU": 2, ...}``)."""
+        return cls(node.get("CPU", 0.0), node.get("GPU", 0.0))
+
+    def as_node(self) -> dict[str, float]:
+        """As Ray's resource dict, the form :func:`raydeck.scaling.place` takes (no GPU key
+        when there is none)."""
+        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+
+    @staticmethod
+    def total(parts: Iterable[Resources]) -> Resources:
+        summed = Resources()
+        for part in parts:
+            summed = summed + part
+        return summed
+
 
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
@@ -91,14 +108,19 @@ class Gang:
             raise ConfigError(f"placement {self.strategy!r} is not one of "
                               f"{', '.join(PLACEMENT_STRATEGIES)}")
 
+    @classmethod
+    def of(cls, preset: Preset) -> Gang:
+        """The gang a scaling preset starts."""
+        return cls(preset.num_workers, Resources(preset.cpus_per_worker, preset.gpus_per_worker),
+                   preset.placement_strategy)
+
     @property
     def needs(self) -> Resources:
         return Resources(self.workers * self.per_worker.cpus, self.workers * self.per_worker.gpus)
 
     def bundle(self) -> dict[str, float]:
-        """One worker's Ray resources (no GPU key for a CPU worker)."""
-        gpus = {"GPU": self.per_worker.gpus} if self.per_worker.gpus else {}
-        return {"CPU": self.per_worker.cpus, **gpus}
+        """One worker's Ray resources."""
+        return self.per_worker.as_node()
 
     def describe(self) -> str:
         """``4 x (1 CPU, 0.5 GPU), STRICT_PACK``."""
@@ -130,33 +152,40 @@ class Capacity:
     pool: Resources
     nodes: tuple[Resources, ...] = ()
 
-    def fits(self, job: QueuedJob) -> bool:
-        """Whether ``job`` can start now: within the pool and, for a gang, placed whole."""
+    @classmethod
+    def of_nodes(cls, nodes: tuple[Resources, ...]) -> Capacity:
+        """Per-node resources, pooled in total."""
+        return cls(Resources.total(nodes), nodes)
+
+    def after(self, job: QueuedJob) -> Capacity | None:
+        """What is left once ``job`` starts (its gang on the nodes it is placed on), or None
+        when it cannot start now: over the pool or, for a gang, not placed whole."""
         if not self.pool.fits(job.needs):
-            return False
-        return not self.nodes or job.gang is None or self.places(job.gang)
-
-    def places(self, gang: Gang) -> bool:
-        """Whether every worker of ``gang`` finds a node at once (:func:`raydeck.scaling.place`)."""
-        return placeable(gang.bundle(), gang.workers, gang.strategy, self._node_dicts())
-
-    def take(self, job: QueuedJob) -> Capacity:
-        """What is left once ``job`` holds its resources (on the nodes :meth:`fits` chose)."""
+            return None
         nodes = list(self.nodes)
         if nodes and job.gang is not None:
-            chosen = place(job.gang.bundle(), job.gang.workers, job.gang.strategy,
-                           self._node_dicts()) or []
+            chosen = self._place(job.gang)
+            if chosen is None:
+                return None
             for index in chosen:
                 nodes[index] = nodes[index] - job.gang.per_worker
         return Capacity(self.pool - job.needs, tuple(nodes))
+
+    def fits(self, job: QueuedJob) -> bool:
+        return self.after(job) is not None
+
+    def places(self, gang: Gang) -> bool:
+        """Whether every worker of ``gang`` finds a node at once (:func:`raydeck.scaling.place`)."""
+        return self._place(gang) is not None
 
     def describe_nodes(self) -> str:
         """``node 0: 1 GPU, 3 CPU; node 1: 0 GPU, 4 CPU``."""
         return "; ".join(f"node {i}: {node.gpus:g} GPU, {node.cpus:g} CPU"
                          for i, node in enumerate(self.nodes))
 
-    def _node_dicts(self) -> list[dict[str, float]]:
-        return [{"CPU": node.cpus, "GPU": node.gpus} for node in self.nodes]
+    def _place(self, gang: Gang) -> list[int] | None:
+        return place(gang.bundle(), gang.workers, gang.strategy,
+                     [node.as_node() for node in self.nodes])
 
 
 @dataclass(frozen=True)
@@ -229,11 +258,12 @@ class Policy(abc.ABC):
         for job in self.order(queue, running, now):
             if not self.allowed(job, running):
                 continue
-            if not free.fits(job):
+            left = free.after(job)
+            if left is None:
                 break
             started.append(job)
             running.append(RunningJob(job, now))
-            free = free.take(job)
+            free = left
         return started
 
     def preempt(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
@@ -368,20 +398,23 @@ class Backfill(Policy):
         started = self.base.decide(ordered, running, free, total, now)
         now_running = [*running, *(RunningJob(j, now) for j in started)]
         for job in started:
-            free = free.take(job)
+            left = free.after(job)
+            assert left is not None, "the base policy placed it on this same capacity"
+            free = left
         waiting = [j for j in ordered if j not in started and self.allowed(j, now_running)]
         if not waiting:
             return started
         head = waiting[0]
         shadow_s, spare = _reservation(head, now_running, free.pool, now)
         for job in waiting[1:]:
-            if not (self.allowed(job, now_running) and free.fits(job)):
+            left = free.after(job) if self.allowed(job, now_running) else None
+            if left is None:
                 continue
             ends_before = now + job.estimate_s <= shadow_s
             if ends_before or spare.fits(job.needs):
                 started.append(job)
                 now_running.append(RunningJob(job, now))
-                free = free.take(job)
+                free = left
                 if not ends_before:
                     spare = spare - job.needs
         return started

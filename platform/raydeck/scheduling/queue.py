@@ -230,7 +230,7 @@ class JobQueue:
             raise ConfigError(f"--team {spec.team!r} is not one of the queue's teams: "
                               f"{', '.join(sorted(teams))} (`raydeck queue --teams FILE`)")
         _, nodes = self._launcher.resources()
-        total = _sum(nodes)
+        total = Resources.total(nodes)
         if not total.fits(spec.needs):
             raise ConfigError(f"job {spec.id} needs {spec.needs.describe()} but the whole "
                               f"cluster has {total.describe()}: it could never start")
@@ -412,7 +412,9 @@ class JobQueue:
             self._observer.started(chosen, now)
             started.append(job.id)
             running.append(RunningJob(job, now))
-            free = free.take(job)
+            left = free.after(job)
+            assert left is not None, "the policy placed it on this same capacity"
+            free = left
         stopping = {r.id for r in active if r.state == "preempting"}
         pool = free.pool
         for row in active:
@@ -483,7 +485,7 @@ class JobQueue:
         """Free (per node, and a pool) and total resources, ``active`` being the queue's
         started jobs."""
         free_nodes, total_nodes = self._launcher.resources()
-        available, total = _sum(free_nodes), _sum(total_nodes)
+        available, total = Resources.total(free_nodes), Resources.total(total_nodes)
         held = Resources()
         for row in active:
             held = held + Resources(row.cpus, row.gpus)
@@ -491,13 +493,6 @@ class JobQueue:
         pool = Resources(min(available.cpus, by_reservation.cpus),
                          min(available.gpus, by_reservation.gpus))
         return Capacity(pool, free_nodes), total
-
-
-def _sum(nodes: tuple[Resources, ...]) -> Resources:
-    total = Resources()
-    for node in nodes:
-        total = total + node
-    return total
 
 
 def _queued(row: JobRow) -> QueuedJob:

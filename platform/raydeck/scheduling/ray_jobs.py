@@ -66,5 +66,4 @@ class RayJobs(Launcher):
         from raydeck.scaling import cluster_resources
 
         totals, available = cluster_resources()
-        return (tuple(Resources(n.get("CPU", 0.0), n.get("GPU", 0.0)) for n in available),
-                tuple(Resources(n.get("CPU", 0.0), n.get("GPU", 0.0)) for n in totals))
+        return (tuple(map(Resources.of_node, available)), tuple(map(Resources.of_node, totals)))

@@ -88,6 +88,7 @@ def get_tracker(
              else f"trial:{process.trial_id}" if process.trial_id else "")
     with lifecycle.lock:
         tracker = lifecycle.find(key, run_name, parent_run_id, scope)
+        attached = tracker is None
         if tracker is None:
             tracker = _attach_new(settings, process, key, run_name, experiment, requested_mode,
                                   parent_run_id)
@@ -101,7 +102,7 @@ def get_tracker(
     if params:
         tracker.log_params(params)
     digest = os.environ.get(JOB_DIGEST_ENV)
-    if digest and process.role == "driver":
+    if digest and attached and process.role == "driver":
         # A submitted job's run names the job it is a run of: the queue predicts durations
         # from earlier runs of the same job.
         tags = {**(tags or {}), JOB_DIGEST_TAG: digest}
