@@ -4,8 +4,10 @@
 The module starts one head (`ray start --head`, token auth) that Ray believes has 4 GPUs and 8
 CPUs; the jobs (tests/fixtures/queue_job.py) hold their preset's resources by running, and
 write when they started and ended to a shared file, which is what the tests read. The
-preemption test runs the real digits job (jobs/digits_torch.py) on CPU presets and reads its
-MLflow runs.
+three-team test joins a second node (4 CPUs, 2 fake GPUs) for its duration and queues the real
+digits job (jobs/digits_torch.py); the preemption test preempts it and its Lightning twin
+(jobs/digits_lightning.py). Fake GPUs cannot run torch, so digits jobs use CPU presets, and the
+jobs holding the nodes take real Ray resources.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,13 +34,20 @@ PRESETS = {
     "q1": {"num_workers": 1, "cpus_per_worker": 1, "gpus_per_worker": 1},
     "q2": {"num_workers": 2, "cpus_per_worker": 1, "gpus_per_worker": 1},
     "q8": {"num_workers": 8, "cpus_per_worker": 1, "gpus_per_worker": 1},
-    # Two of these never fit the 8 CPUs together.
-    "d5": {"num_workers": 1, "cpus_per_worker": 5},
+    # The preemption test's: two low-priority jobs fit the 8 CPUs together, the high one
+    # needs all of them.
+    "d3": {"num_workers": 1, "cpus_per_worker": 3},
+    "d8": {"num_workers": 1, "cpus_per_worker": 8},
     # A node each: fits the cluster's totals, but this cluster has one node.
     "s2": {"num_workers": 2, "cpus_per_worker": 1, "placement_strategy": "STRICT_SPREAD"},
+    # The two-node test's: holders that fit one node each, and the teams' digits jobs.
+    "h6": {"num_workers": 1, "cpus_per_worker": 6},
+    "h3": {"num_workers": 1, "cpus_per_worker": 3, "gpus_per_worker": 1},
+    "t3": {"num_workers": 2, "cpus_per_worker": 1.5, "placement_strategy": "STRICT_PACK"},
+    "c1": {"num_workers": 1, "cpus_per_worker": 1},
 }
 REPO = Path(__file__).resolve().parents[1]
-TEAMS = {"a": {"gpus": 2}, "b": {"weight": 2}, "c": {}}
+TEAMS = {"a": {"cpus": 3}, "b": {"weight": 2}, "c": {}}
 CLI_TIMEOUT_S = 120
 
 
@@ -56,11 +65,19 @@ class Cluster:
                               timeout=CLI_TIMEOUT_S)
 
     def submit(self, name: str, preset: str, seconds: float, team: str, priority: int = 0,
-               ) -> subprocess.CompletedProcess[str]:
+               hold: bool = False) -> subprocess.CompletedProcess[str]:
         return self.cli("submit", "queue_job.py", "--queue", "--no-check", "--runtime-env",
                         "runtime.yaml", "--preset", preset, "--run-name", name, "--run-id",
                         name, "--team", team, "--priority", str(priority), "--",
-                        "--seconds", str(seconds), "--log", str(self.log))
+                        "--seconds", str(seconds), "--log", str(self.log),
+                        *(["--hold"] if hold else []))
+
+    def digits(self, name: str, preset: str, team: str, priority: int, epochs: int) -> str:
+        """Queue the real digits job (jobs/digits_torch.py); its run is tagged ``name``."""
+        return _ok(self.cli(
+            "submit", "digits_torch.py", "--queue", "--no-check", "--runtime-env",
+            "runtime.yaml", "--preset", preset, "--run-name", name, "--run-id", name, "--team",
+            team, "--priority", str(priority), "--", "--epochs", str(epochs)))
 
     def events(self) -> dict[str, dict[str, list[float]]]:
         """run name -> {"start": [times], "end": [times]}."""
@@ -81,6 +98,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, raydeck_env: dict[str, str
     workdir.mkdir()
     shutil.copy(FIXTURES / "queue_job.py", workdir / "queue_job.py")
     shutil.copy(REPO / "jobs" / "digits_torch.py", workdir / "digits_torch.py")
+    shutil.copy(REPO / "jobs" / "digits_lightning.py", workdir / "digits_lightning.py")
     (workdir / "runtime.yaml").write_text("working_dir: .\n")
     (root / "presets.yaml").write_text(yaml.safe_dump(PRESETS))
     env = head_env(raydeck_env["RAYDECK_TRACKING_URI"], root / "data",
@@ -145,47 +163,116 @@ def _teams(cluster: Cluster) -> Path:
     return path
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_three_teams_start_in_priority_order_within_quotas_and_each_job_once(
-        cluster: Cluster) -> None:
-    _ok(cluster.cli("queue", "--policy", "priority", "--teams", str(_teams(cluster))))
-    # a1 and b1 fill the 4 GPUs until they are cancelled (so how long the submissions take
-    # does not matter); a2 waits on team a's quota (2 GPUs); c2 (priority 5) goes before the
-    # older a2 and c1 once a1 is gone; c1 waits until one of them ends (b1 still holds 2).
-    _ok(cluster.submit("a1", "q2", 600, "a"))
-    _ok(cluster.submit("b1", "q2", 600, "b"))
-    wait_until(lambda: {"a1", "b1"} <= set(cluster.events()), 120, "a1 and b1 to start")
-    _ok(cluster.submit("a2", "q1", 5, "a"))
-    _ok(cluster.submit("c1", "q1", 3, "c"))
-    _ok(cluster.submit("c2", "q1", 5, "c", priority=5))
+@pytest.fixture
+def second_node(cluster: Cluster) -> Iterator[None]:
+    """A second node (4 CPUs, 2 fake GPUs) for one test; the cluster is the head alone again
+    after it."""
+    cluster.head.add_worker_node(num_cpus=4, num_gpus=2)
+    try:
+        yield
+    finally:
+        cluster.head.remove_worker_nodes()
 
+
+def _explained(cluster: Cluster, check: Callable[[], bool], timeout_s: float, what: str,
+               *submission_ids: str) -> None:
+    """wait_until, failing with the queue, the jobs and the named jobs' logs."""
+    try:
+        wait_until(check, timeout_s, what)
+    except TimeoutError as exc:
+        from raydeck.jobs import JobServer
+
+        client = JobServer.from_env(env=cluster.head.client_env).client()
+        logs = []
+        for submission_id in submission_ids:
+            try:
+                logs.append(f"{submission_id}:\n{client.get_job_logs(submission_id)[-3000:]}")
+            except RuntimeError as missing:
+                logs.append(f"{submission_id}: {missing}")
+        raise AssertionError(f"{exc}\n{cluster.cli('queue').stdout}\n"
+                             f"{cluster.cli('jobs').stdout}\n" + "\n".join(logs)) from None
+
+
+def _placement_groups(cluster: Cluster) -> dict[str, Any]:
+    """Every placement group of the cluster (creator job, scheduling attempts, bundles' nodes)
+    and each alive node's CPUs, from Ray's state API."""
+    script = (
+        "import json, ray\n"
+        "from ray.util.state import list_placement_groups\n"
+        "ray.init(address='auto', logging_level='ERROR')\n"
+        "groups = [{'job': g.creator_job_id, 'attempts': int(g.stats['scheduling_attempt']),\n"
+        "           'nodes': sorted({b['node_id'] for b in g.bundles})}\n"
+        "          for g in list_placement_groups(detail=True, limit=10000)]\n"
+        "nodes = {n['NodeID']: n['Resources'].get('CPU', 0) for n in ray.nodes() if n['Alive']}\n"
+        "print(json.dumps({'groups': groups, 'nodes': nodes}))\n")
+    done = subprocess.run([sys.executable, "-c", script],
+                          env={**cluster.env, "RAY_ADDRESS": cluster.head.gcs_address},
+                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_three_teams_digits_jobs_on_two_nodes_start_in_policy_order_whole_within_quotas(
+        cluster: Cluster, second_node: None, mlflow_client: Any) -> None:
+    _ok(cluster.cli("queue", "--policy", "priority", "--teams", str(_teams(cluster))))
+    # Two jobs hold real resources until cancelled, each on the only node it fits: b-hold
+    # (6 CPU) on the head (8 CPU), then a-hold (3 CPU, 1 GPU) on the new node (4 CPU, 2 GPU).
+    # That leaves 2 CPU on the head and 1 on the new node, and team a at its quota of 3 CPU.
+    for name, preset, team in (("b-hold", "h6", "b"), ("a-hold", "h3", "a")):
+        _ok(cluster.submit(name, preset, 900, team, hold=True))
+        _explained(cluster, lambda job=name: job in cluster.events(), 120, f"{name} to hold",
+                   f"raydeck-{name}")
+    epochs = 3
+    # c-big (2 x 1.5 CPU, STRICT_PACK, priority 5) fits the 3 free CPUs but no node; a2 is
+    # held by team a's quota; b2 fits the head now but waits behind c-big (no backfill).
+    for name, preset, team, priority in (("c-big", "t3", "c", 5), ("a2", "c1", "a", 0),
+                                         ("b2", "c1", "b", 0)):
+        cluster.digits(name, preset, team, priority, epochs)
     listing = _ok(cluster.cli("queue"))
-    assert "team a uses 2 GPU, 2 CPU of its 2 GPU" in _row(listing, "raydeck-a2"), listing
-    positions = {job: _row(listing, f"raydeck-{job}").split()[1]
-                 for job in ("c2", "a2", "c1")}
-    assert positions == {"c2": "1", "a2": "2", "c1": "3"}, listing
+    positions = {job: _row(listing, f"raydeck-{job}").split()[1] for job in ("c-big", "a2", "b2")}
+    assert positions == {"c-big": "1", "a2": "2", "b2": "3"}, listing
+    assert "fits the free total, but no node placement holds it now" in _row(
+        listing, "raydeck-c-big"), listing
+    assert "team a uses 1 GPU, 3 CPU of its 3 CPU" in _row(listing, "raydeck-a2"), listing
+    assert "behind raydeck-c-big" in _row(listing, "raydeck-b2"), listing
 
     cancelled_at = time.time()
-    assert "cancelled raydeck-a1" in _ok(cluster.cli("cancel", "raydeck-a1"))
-    wait_until(lambda: all(len(cluster.events().get(job, {}).get("end", [])) == 1
-                           for job in ("a2", "c1", "c2")), 240, "a2, c1 and c2 to end")
-    _ok(cluster.cli("cancel", "raydeck-b1"))
-    events = cluster.events()
-    start = {job: times["start"][0] for job, times in events.items()}
-    end = {job: times["end"][0] for job, times in events.items() if times["end"]}
-    assert all(len(times["start"]) == 1 for times in events.values()), events
-    assert start["a2"] >= cancelled_at, "team a's quota of 2 GPUs was exceeded"
-    assert start["c2"] >= cancelled_at
-    assert start["c1"] >= min(end["c2"], end["a2"]), "c1 started before a GPU was free"
-    print(f"\nqueue: after a1 was cancelled, c2 and a2 started in "
-          f"{start['c2'] - cancelled_at:.1f} / {start['a2'] - cancelled_at:.1f} s; c1 "
-          f"{start['c1'] - min(end['c2'], end['a2']):.1f} s after a GPU was free")
-    final = _ok(cluster.cli("jobs"))
-    for job in ("a2", "c1", "c2"):
-        assert "SUCCEEDED" in _row(final, f"raydeck-{job}")
+    assert "cancelled raydeck-a-hold" in _ok(cluster.cli("cancel", "raydeck-a-hold"))
+    jobs = ("c-big", "a2", "b2")
+    _explained(cluster, lambda: all(_ended(cluster, f"raydeck-{job}") for job in jobs), 600,
+               "the three teams' digits jobs to end", *(f"raydeck-{job}" for job in jobs))
+    _ok(cluster.cli("cancel", "raydeck-b-hold"))
+    wait_until(lambda: _ended(cluster, "raydeck-b-hold"), 120, "b-hold to end")
+
+    infos = {job: _job_info(cluster, f"raydeck-{job}") for job in jobs}
+    assert all(info.status.value == "SUCCEEDED" for info in infos.values()), infos
+    start = {job: info.start_time / 1000 for job, info in infos.items()}
+    # Policy order: nothing started while a-hold held its node, b2 not even though it fit the
+    # head all along; c-big, first in the queue, was started first.
+    assert min(start.values()) >= cancelled_at, (start, cancelled_at)
+    assert start["c-big"] <= start["a2"] <= start["b2"], start
+    # Each job started once, whole: every placement group its Ray job created was placed on
+    # Ray's first scheduling attempt (a gang started half-placed waits, and Ray retries it),
+    # and c-big's workers share the one node that had room for both.
+    placement = _placement_groups(cluster)
+    for job, info in infos.items():
+        groups = [g for g in placement["groups"] if g["job"] == info.job_id]
+        assert groups and all(g["attempts"] == 1 for g in groups), (job, groups)
+        if job == "c-big":
+            new_node = next(n for n, cpus in placement["nodes"].items() if cpus == 4)
+            assert [g["nodes"] for g in groups] == [[new_node]], (groups, placement["nodes"])
+    for job in jobs:
+        run = _run_of(mlflow_client, job)
+        assert run.info.status == "FINISHED", (job, run.info)
+        history = mlflow_client.get_metric_history(run.info.run_id, "val_accuracy")
+        assert sorted(point.step for point in history) == list(range(epochs)), (job, history)
     after = _ok(cluster.cli("queue"))
-    assert "raydeck-a1" not in after and "raydeck-b1" not in after, after
+    assert not any(f"raydeck-{job}" in after for job in (*jobs, "a-hold", "b-hold")), after
+    print("\nqueue on two nodes: after a-hold was cancelled, c-big, a2 and b2 started in "
+          + " / ".join(f"{start[job] - cancelled_at:.1f}" for job in jobs) + " s")
 
 
 @pytest.mark.slow
@@ -246,64 +333,79 @@ def _latest_epoch(client: Any, run_key: str) -> int:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_low_priority_job_is_preempted_at_a_checkpoint_and_resumes_in_its_run(
+def test_low_priority_jobs_are_preempted_at_a_checkpoint_and_resume_in_their_runs(
         cluster: Cluster, mlflow_client: Any) -> None:
+    """A high-priority job that needs the whole cluster preempts the two low-priority jobs on
+    it: the PyTorch digits job (``report_epoch`` says stop) and the Lightning one (raydeck's
+    callback stops the trainer)."""
     _ok(cluster.cli("queue", "--policy", "priority"))
-    epochs = 60
-
-    def digits(name: str, priority: int, epochs: int) -> str:
-        return _ok(cluster.cli(
-            "submit", "digits_torch.py", "--queue", "--no-check", "--runtime-env",
-            "runtime.yaml", "--preset", "d5", "--run-name", name, "--run-id", name, "--team",
-            "c", "--priority", str(priority), "--", "--epochs", str(epochs)))
-
-    digits("pre-low", 0, epochs)
-    wait_until(lambda: _latest_epoch(mlflow_client, "pre-low") >= 1, 300,
-               "the low-priority job to commit a checkpoint")
-    digits("pre-high", 5, 3)
+    epochs = {"pre-low": 60, "pre-lit": 40}
+    cluster.digits("pre-low", "d3", "c", 0, epochs["pre-low"])
+    _ok(cluster.cli(
+        "submit", "digits_lightning.py", "--queue", "--no-check", "--runtime-env",
+        "runtime.yaml", "--preset", "d3", "--run-name", "pre-lit", "--run-id", "pre-lit",
+        "--team", "c", "--", "--epochs", str(epochs["pre-lit"])))
+    wait_until(lambda: all(_latest_epoch(mlflow_client, job) >= 1 for job in epochs), 300,
+               "both low-priority jobs to commit a checkpoint")
+    cluster.digits("pre-high", "d8", "c", 5, 3)
     asked_at = time.time()
-    # Any checkpoint the low job commits from now on may be the one it stops at.
-    committed_before = _latest_epoch(mlflow_client, "pre-low")
-    wait_until(lambda: _ended(cluster, "raydeck-pre-low"), 120,
-               "the low-priority job to stop at its next checkpoint")
-    wait_until(lambda: _ended(cluster, "raydeck-pre-high"), 300, "the high-priority job to end")
-    wait_until(lambda: _ended(cluster, "raydeck-pre-low-r1"), 300,
-               "the low-priority job to resume and end")
+    # Any checkpoint a low job commits from now on may be the one it stops at.
+    committed_before = {job: _latest_epoch(mlflow_client, job) for job in epochs}
+    _explained(cluster, lambda: all(_ended(cluster, f"raydeck-{job}") for job in epochs), 180,
+               "the low-priority jobs to stop at their next checkpoint",
+               *(f"raydeck-{job}" for job in epochs))
+    _explained(cluster, lambda: _ended(cluster, "raydeck-pre-high"), 300,
+               "the high-priority job to end", "raydeck-pre-high")
+    _explained(cluster, lambda: all(_ended(cluster, f"raydeck-{job}-r1") for job in epochs),
+               400, "the low-priority jobs to resume and end",
+               *(f"raydeck-{job}-r1" for job in epochs))
 
-    stopped, high, resumed = (_job_info(cluster, f"raydeck-{job}")
-                              for job in ("pre-low", "pre-high", "pre-low-r1"))
-    assert stopped.status.value == "FAILED" and "75" in (stopped.message or ""), stopped
-    assert high.status.value == "SUCCEEDED" and resumed.status.value == "SUCCEEDED"
-    # Never both on the 8 CPUs: high started after low stopped, low resumed after high ended.
-    assert stopped.end_time <= high.start_time and high.end_time <= resumed.start_time
+    high = _job_info(cluster, "raydeck-pre-high")
+    assert high.status.value == "SUCCEEDED", high
+    timings = []
+    for job, job_epochs in epochs.items():
+        stopped, resumed = (_job_info(cluster, f"raydeck-{job}{suffix}")
+                            for suffix in ("", "-r1"))
+        assert stopped.status.value == "FAILED" and "75" in (stopped.message or ""), stopped
+        assert resumed.status.value == "SUCCEEDED", resumed
+        # Never beside the high job: it started after both stopped, they resumed after it.
+        assert stopped.end_time <= high.start_time and high.end_time <= resumed.start_time
 
-    low_run = _run_of(mlflow_client, "pre-low")
-    tags = low_run.data.tags
-    assert low_run.info.status == "FINISHED"
-    assert tags["raydeck.preemptions"] == "1"
-    stopped_epoch = int(tags["raydeck.preemption.1"].removeprefix("stopped after epoch "))
-    # It stopped at a checkpoint after the high job came, well before its last epoch.
-    assert committed_before <= stopped_epoch < epochs - 1, (committed_before, stopped_epoch)
-    assert tags["raydeck.checkpoint.resumed_from_epoch"] == str(stopped_epoch)
-    history = mlflow_client.get_metric_history(low_run.info.run_id, "val_accuracy")
-    assert sorted(point.step for point in history) == list(range(epochs)), "each epoch once"
+        run = _run_of(mlflow_client, job)
+        tags = run.data.tags
+        assert run.info.status == "FINISHED" and tags["raydeck.preemptions"] == "1", tags
+        stopped_epoch = int(tags["raydeck.preemption.1"].removeprefix("stopped after epoch "))
+        # It stopped at a checkpoint after the high job came, well before its last epoch.
+        assert committed_before[job] <= stopped_epoch < job_epochs - 1, (job, stopped_epoch)
+        assert tags["raydeck.checkpoint.resumed_from_epoch"] == str(stopped_epoch)
+        history = mlflow_client.get_metric_history(run.info.run_id, "val_accuracy")
+        assert len(history) == job_epochs, (job, "each epoch once", len(history))
+        if job == "pre-low":  # the PyTorch job logs each epoch at step=epoch
+            assert sorted(point.step for point in history) == list(range(job_epochs))
+        else:  # Lightning logs at its global step: one point per epoch, each step once
+            assert len({point.step for point in history}) == job_epochs
+        timings.append(f"{job} stopped {stopped.end_time / 1000 - asked_at:.1f} s after the "
+                       f"high job was queued (after epoch {stopped_epoch} of {job_epochs}), "
+                       f"resumed {(resumed.start_time - high.end_time) / 1000:.1f} s after it "
+                       "ended")
     high_run = _run_of(mlflow_client, "pre-high")
     assert high_run.info.status == "FINISHED"
-    assert "raydeck-pre-low" not in _ok(cluster.cli("queue"))
+    listing = _ok(cluster.cli("queue"))
+    assert not any(f"raydeck-{job}" in listing for job in epochs), listing
 
     # The same job again (job file, preset and arguments; another run name), no --estimate:
     # the queue expects what the earlier run took in MLflow.
     from raydeck.cli._console import format_duration
 
     took = (high_run.info.end_time - high_run.info.start_time) / 1000
-    assert high_run.data.tags["raydeck.job_digest"] != low_run.data.tags["raydeck.job_digest"]
-    again = digits("pre-again", 5, 3)
+    assert high_run.data.tags["raydeck.job_digest"] != _run_of(
+        mlflow_client, "pre-low").data.tags["raydeck.job_digest"]
+    again = cluster.digits("pre-again", "d8", "c", 5, 3)
     _ok(cluster.cli("cancel", "raydeck-pre-again"))
     assert f"expected {format_duration(took)};" in again, (took, again)
-    print(f"\npreemption: low stopped {stopped.end_time / 1000 - asked_at:.1f} s after the "
-          f"high job was queued (after epoch {stopped_epoch} of {epochs}); high started "
-          f"{(high.start_time - stopped.end_time) / 1000:.1f} s after; low resumed "
-          f"{(resumed.start_time - high.end_time) / 1000:.1f} s after high ended")
+    last_stop = max(_job_info(cluster, f"raydeck-{job}").end_time for job in epochs)
+    print("\npreemption: " + "; ".join(timings) + f"; high started "
+          f"{(high.start_time - last_stop) / 1000:.1f} s after the last one stopped")
 
 
 @pytest.mark.slow

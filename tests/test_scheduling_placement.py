@@ -1,6 +1,7 @@
 """Placement-aware admission: where a gang's workers go on each node's free resources, which
-queued jobs a policy starts on a fragmented cluster, and a queue database from before the gang
-columns opening with every job kept. Cases computed by hand; Ray's own placement of the same
+queued jobs a policy starts on a fragmented cluster, the queue starting a strict gang alone
+(Ray chooses the nodes), and a queue database from before the gang columns opening with every
+job kept. Cases computed by hand; Ray's own placement of the same
 gangs is checked on a real two-node fake-GPU cluster in ``test_scaling_gpu_packing``.
 """
 
@@ -14,7 +15,8 @@ import pytest
 from raydeck.errors import ConfigError
 from raydeck.scaling import place
 from raydeck.scheduling.policies import Capacity, Fifo, Gang, QueuedJob, Resources, make_policy
-from raydeck.scheduling.store import Store
+from raydeck.scheduling.queue import CLAIM_S, JobQueue, JobSpec, Launcher
+from raydeck.scheduling.store import JobRow, Store
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,3 +114,82 @@ def test_a_queue_database_from_before_the_gang_columns_keeps_its_jobs(tmp_path: 
     store.update("old", workers=4, placement="PACK")
     reopened = Store(f"sqlite:///{path}").get("old")
     assert reopened is not None and (reopened.workers, reopened.placement) == (4, "PACK")
+
+
+class _TwoNodes(Launcher):
+    """A job server on two nodes: a job takes its room on a node only once the test says Ray
+    placed it (as a driver creates its placement group seconds after it started)."""
+
+    def __init__(self) -> None:
+        # A job outside the queue holds 6 of node 0's 8 CPUs.
+        self.free = [Resources(cpus=2), Resources(cpus=4)]
+        self.running: list[str] = []
+        self.placed_jobs: set[str] = set()
+
+    def submit(self, row: JobRow, package: bytes | None) -> None:
+        self.running.append(row.id)
+
+    def status(self, submission_id: str) -> str | None:
+        return "RUNNING"
+
+    def stop(self, submission_id: str) -> None:
+        raise AssertionError("nothing is stopped here")
+
+    def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
+        return tuple(self.free), (Resources(cpus=8), Resources(cpus=4))
+
+    def placed(self, submission_id: str) -> bool:
+        return submission_id in self.placed_jobs
+
+    def place(self, job_id: str, node: int, cpus: float) -> None:
+        self.placed_jobs.add(job_id)
+        self.free[node] = self.free[node] - Resources(cpus=cpus)
+
+
+def _spec(job_id: str, gang: Gang, priority: int = 0) -> JobSpec:
+    return JobSpec(job_id, "a", priority, "custom", gang.needs, job_id, "python job.py", {},
+                   gang=gang)
+
+
+STRICT_3 = Gang(2, Resources(cpus=1.5), "STRICT_PACK")
+ONE_CPU = Gang(1, Resources(cpus=1))
+
+
+def test_a_strict_gang_starts_alone_and_what_follows_waits_until_ray_placed_it(
+        tmp_path: Path) -> None:
+    """Two nodes with 2 and 4 CPUs free: the strict gang (2 x 1.5 CPU) fits only node 1. Started
+    beside it, two 1-CPU jobs could be put there by Ray first (it chooses the nodes), and the
+    gang would wait in Ray: they start only once Ray has placed the gang."""
+    cluster, clock = _TwoNodes(), [0.0]
+    queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), cluster, clock=lambda: clock[0])
+    queue.set_policy("priority")
+    for spec in (_spec("big", STRICT_3, priority=5), _spec("s1", ONE_CPU), _spec("s2", ONE_CPU)):
+        queue.submit(spec)
+    assert queue.tick() == ["big"]
+    clock[0] = 10.0
+    assert queue.tick() == []  # not placed yet
+    why = {entry.job.id: entry.why for entry in queue.listing()}
+    assert why["s1"] == "waits for Ray to place big first (a STRICT_ gang starts alone)"
+    assert why["s2"] == "behind s1 (priority order)"
+    cluster.place("big", node=1, cpus=3)
+    assert queue.tick() == ["s1", "s2"]
+
+
+def test_a_strict_gang_waits_for_the_jobs_started_before_it_to_be_placed(
+        tmp_path: Path) -> None:
+    cluster, clock = _TwoNodes(), [0.0]
+    queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), cluster, clock=lambda: clock[0])
+    queue.set_policy("fifo")
+    queue.submit(_spec("s1", ONE_CPU))
+    assert queue.tick() == ["s1"]
+    queue.submit(_spec("big", STRICT_3))
+    clock[0] = 10.0
+    assert queue.tick() == []  # s1 may still land on node 1 and take the gang's room
+    cluster.place("s1", node=0, cpus=1)
+    assert queue.tick() == ["big"]
+    # A job that never asks Ray for a placement group holds the next one back CLAIM_S at most.
+    queue.submit(_spec("s2", ONE_CPU))
+    clock[0] = 10.0 + CLAIM_S - 1
+    assert queue.tick() == []
+    clock[0] = 10.0 + CLAIM_S
+    assert queue.tick() == ["s2"]

@@ -21,6 +21,13 @@ Resources a queued job may use are the smaller of what the cluster has free now 
 outside the queue count) and the total minus what the queue's active jobs hold (a job that has
 just started may not have claimed its resources yet); a job with a preset starts only when its
 whole gang can be placed on what each node has free (:class:`~raydeck.scheduling.policies.Gang`).
+
+Ray, not the queue, chooses each worker's node. A strict gang (``STRICT_PACK``,
+``STRICT_SPREAD``) therefore starts alone: not while a job the queue started in the last
+``CLAIM_S`` seconds has no placement group placed by Ray yet, and nothing starts after it until
+Ray has placed its own (or ``CLAIM_S`` has passed: a job that never asks Ray for a placement
+group). Otherwise Ray may put a job started beside it on the node the gang was counted on (seen
+on two nodes: two 1-CPU jobs started in the gang's tick took its node, and it waited in Ray).
 """
 
 from __future__ import annotations
@@ -55,6 +62,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_ESTIMATE_S = 3600.0
 PREEMPT_GRACE_S = 300.0
+# How long a strict gang waits at most for a job started before it (or the jobs after it wait
+# for it) to be placed by Ray: a job may never ask Ray for a placement group.
+CLAIM_S = 120.0
 PREDICTION_QUANTILE = 0.75
 DEFAULT_TEAM = "default"
 _TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
@@ -141,6 +151,12 @@ class Launcher(abc.ABC):
     @abc.abstractmethod
     def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
         """``(free now, total)`` of each node of the cluster (aligned)."""
+
+    @abc.abstractmethod
+    def placed(self, submission_id: str) -> bool:
+        """Whether the cluster has placed the job's placement groups (its workers' resources;
+        one given back since counts); False when it has none yet, one still waits, or that
+        cannot be read."""
 
 
 class Observer:
@@ -303,17 +319,18 @@ class JobQueue:
         free, total = self._free(active)
         ordered = self._policy.order(queued, running, now)
         predicted = self._predicted_starts(ordered, running, total, now)
+        claiming = self._claiming(active, queued, now)
         entries = [Entry(JobView.of(r), None, r.started_at,
                          r.reason if r.state == "preempting" else r.state) for r in active]
         for position, job in enumerate(ordered, start=1):
-            why = self._why(job, ordered, running, free)
+            why = self._why(job, ordered, running, free, claiming)
             if rows[job.id].preemptions:
                 why += f" (preempted {rows[job.id].preemptions}x; resumes from its checkpoint)"
             entries.append(Entry(JobView.of(rows[job.id]), position, predicted.get(job.id), why))
         return entries
 
     def _why(self, job: QueuedJob, ordered: list[QueuedJob], running: list[RunningJob],
-             free: Capacity) -> str:
+             free: Capacity, claiming: list[QueuedJob]) -> str:
         team = self.teams().get(job.team)
         if team is not None and team.quota is not None:
             used = team_usage(job.team, running)
@@ -329,6 +346,9 @@ class JobQueue:
         ahead = ordered[:ordered.index(job)]
         if ahead:
             return f"behind {ahead[0].id} ({self._policy.name} order)"
+        if _held_back(job, claiming):
+            return (f"waits for Ray to place {', '.join(j.id for j in claiming)} first (a "
+                    "STRICT_ gang starts alone)")
         return "starts at the next tick"
 
     def _predicted_starts(self, ordered: list[QueuedJob], running: list[RunningJob],
@@ -400,8 +420,11 @@ class JobQueue:
         active = self._store.jobs(*ACTIVE)
         running = [_running(r, now) for r in active]
         free, total = self._free(active)
+        claiming = self._claiming(active, queued, now)
         started = []
         for job in self._policy.decide(queued, running, free, total, now):
+            if _held_back(job, claiming):
+                break  # Ray places the claiming jobs first; the rest starts at a later tick
             chosen = self._store.get(job.id)
             if chosen is None or chosen.state != "queued":
                 continue  # cancelled meanwhile
@@ -412,6 +435,7 @@ class JobQueue:
             self._observer.started(chosen, now)
             started.append(job.id)
             running.append(RunningJob(job, now))
+            claiming.append(job)
             left = free.after(job)
             assert left is not None, "the policy placed it on this same capacity"
             free = left
@@ -494,12 +518,33 @@ class JobQueue:
                          min(available.gpus, by_reservation.gpus))
         return Capacity(pool, free_nodes), total
 
+    def _claiming(self, active: list[JobRow], queued: list[QueuedJob], now: float
+                  ) -> list[QueuedJob]:
+        """The jobs started less than ``CLAIM_S`` ago that Ray has not placed yet; asked only
+        when a strict gang is queued or among them (no other start depends on it)."""
+        recent = [r for r in active
+                  if r.started_at is not None and now - r.started_at < CLAIM_S]
+        if not any(map(_strict, [*queued, *map(_queued, recent)])):
+            return []
+        return [_queued(r) for r in recent if not self._launcher.placed(r.submission_id)]
+
 
 def _queued(row: JobRow) -> QueuedJob:
     gang = (Gang(row.workers, Resources(row.cpus / row.workers, row.gpus / row.workers),
                  row.placement) if row.workers else None)
     return QueuedJob(row.id, row.team, row.priority, Resources(row.cpus, row.gpus),
                      row.submitted_at, row.estimate_s, gang)
+
+
+def _strict(job: QueuedJob) -> bool:
+    """A gang whose placement depends on which nodes Ray chose for the jobs beside it."""
+    return job.gang is not None and job.gang.strategy.startswith("STRICT_")
+
+
+def _held_back(job: QueuedJob, claiming: list[QueuedJob]) -> bool:
+    """Whether ``job`` waits for Ray to place the ``claiming`` jobs: a strict gang starts
+    alone (see the module docs)."""
+    return any(map(_strict, claiming)) or (bool(claiming) and _strict(job))
 
 
 def _running(row: JobRow, now: float) -> RunningJob:

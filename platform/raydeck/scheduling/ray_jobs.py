@@ -1,14 +1,16 @@
 """Ray's job server as the queue's :class:`~raydeck.scheduling.queue.Launcher`.
 
 Owns: submitting a queued job with its stored working-dir package (uploaded again when Ray has
-deleted it: Ray keeps an uploaded package only while a job uses it), reading a job's status, and
-each node's free and total resources (what is free counts jobs started outside the queue). Runs
+deleted it: Ray keeps an uploaded package only while a job uses it), reading a job's status and
+whether Ray has placed its placement groups (Ray's state API), and each node's free and total
+resources (what is free counts jobs started outside the queue). Runs
 inside the queue's actor, which is connected to the cluster.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
 from raydeck.errors import JobSubmissionError
@@ -17,6 +19,8 @@ from raydeck.scheduling.policies import Resources
 from raydeck.scheduling.preemption import QUEUE_JOB_ENV
 from raydeck.scheduling.queue import Launcher
 from raydeck.scheduling.store import JobRow
+
+logger = logging.getLogger(__name__)
 
 
 class RayJobs(Launcher):
@@ -61,6 +65,21 @@ class RayJobs(Launcher):
 
     def stop(self, submission_id: str) -> None:
         self._jobs().stop_job(submission_id)
+
+    def placed(self, submission_id: str) -> bool:
+        from ray.util.state import list_placement_groups
+
+        try:
+            job_id = self._jobs().get_job_info(submission_id).job_id
+            if job_id is None:
+                return False  # its driver has not started
+            groups = list_placement_groups(filters=[("creator_job_id", "=", job_id)],
+                                           raise_on_missing_output=False)
+        except Exception as exc:  # the state API is down: the gang waits at most CLAIM_S
+            logger.warning("cannot read job %s's placement groups: %s", submission_id, exc)
+            return False
+        # Placed, or already given back (its training ended); none still waiting for nodes.
+        return bool(groups) and all(g.state in ("CREATED", "REMOVED") for g in groups)
 
     def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
         from raydeck.scaling import cluster_resources
