@@ -15,6 +15,7 @@ from raydeck.scheduling import (
     Policy,
     PriorityAging,
     QueuedJob,
+    Report,
     Resources,
     RunningJob,
     ShortestJobFirst,
@@ -93,10 +94,12 @@ def test_every_job_runs_once_and_never_over_capacity_on_a_generated_trace() -> N
 
 def test_a_trace_round_trips_through_csv_and_bad_rows_name_the_line(tmp_path: Path) -> None:
     path = tmp_path / "trace.csv"
-    write_trace(TRACE, path)
-    assert [(j.id, j.submit_s, j.duration_s, j.needs.gpus, j.priority)
-            for j in read_trace(path)] == [
-        (j.id, j.submit_s, j.duration_s, j.needs.gpus, j.priority) for j in TRACE]
+    trace = [*TRACE, TraceJob("E", 9, 30, Resources(cpus=2, gpus=1), "b", 1, 25.0, 10.0)]
+    write_trace(trace, path)
+    assert [(j.id, j.submit_s, j.duration_s, j.needs.gpus, j.priority, j.estimate_s,
+             j.checkpoint_s) for j in read_trace(path)] == [
+        (j.id, j.submit_s, j.duration_s, j.needs.gpus, j.priority, j.estimate_s,
+         j.checkpoint_s) for j in trace]
     path.write_text("submit_s,duration_s,team,gpus\n0,10,a,1\n5,ten,a,1\n")
     with pytest.raises(ConfigError, match="line 3"):
         read_trace(path)
@@ -150,3 +153,50 @@ def test_no_preemption_when_the_job_fits_is_not_higher_or_could_not_fit_anyway()
     quota = PriorityAging(quotas={"b": Resources(cpus=64, gpus=1)})
     capped = QueuedJob("capped", "b", 5, Resources(cpus=1, gpus=4), 95.0, 10.0)
     assert quota.preempt([capped], running, free, now=100.0) is None
+
+
+def _pieces(trace: list[TraceJob], policy: Policy) -> dict[str, tuple[tuple[float, float], ...]]:
+    return {s.job.id: s.pieces for s in simulate(trace, policy, GPUS4)}
+
+
+def test_a_preempted_job_stops_at_its_next_checkpoint_and_later_runs_what_it_had_left() -> None:
+    # L (all 4 GPUs, 100 s, a checkpoint every 10 s of work) runs when H (priority 2, 2 GPUs)
+    # comes at 15. L's last checkpoint was at 10: it is asked to stop, stops at its next one
+    # (20), H runs 20-40, and L runs its 80 s left from 40.
+    low = TraceJob("L", 0, 100, Resources(cpus=1, gpus=4), "a", 0, checkpoint_s=10)
+    high = _job("H", 15, 20, 2, priority=2)
+    assert _pieces([low, high], PriorityAging()) == {"L": ((0, 20), (40, 120)),
+                                                     "H": ((20, 40),)}
+    # A job without checkpoints is never preempted: H waits for L to end.
+    plain = TraceJob("L", 0, 100, Resources(cpus=1, gpus=4), "a", 0)
+    assert _pieces([plain, high], PriorityAging()) == {"L": ((0, 100),), "H": ((100, 120),)}
+    # Before L's first checkpoint there is nothing to resume from: H waits until L commits
+    # it (10) and stops there.
+    early = _job("H", 5, 20, 2, priority=2)
+    assert _pieces([low, early], PriorityAging()) == {"L": ((0, 10), (30, 120)),
+                                                      "H": ((10, 30),)}
+    schedule = simulate([low, high], PriorityAging(), GPUS4)
+    report = Report.of("priority", schedule, GPUS4)
+    assert (report.preemptions, report.top_priority_wait_s) == (1, 5.0)
+    assert {s.job.id: s.wait_s for s in schedule} == {"L": 20.0, "H": 5.0}
+
+
+def test_preemption_on_a_generated_trace_runs_every_job_whole_within_capacity() -> None:
+    capacity = Resources(cpus=64, gpus=16)
+    with_checkpoints = generate_trace(200, seed=1, gpus=16, checkpoint_s=600)
+    schedule = simulate(with_checkpoints, make_policy("priority"), capacity)
+    assert sum(s.preemptions for s in schedule) > 0
+    events = []
+    for s in schedule:
+        assert abs(sum(end - start for start, end in s.pieces) - s.job.duration_s) < 1e-6
+        assert all(a[1] <= b[0] for a, b in zip(s.pieces, s.pieces[1:], strict=False))
+        events += [(start, s.job.needs.gpus) for start, _ in s.pieces]
+        events += [(end, -s.job.needs.gpus) for _, end in s.pieces]
+    held = 0.0
+    for _, delta in sorted(events):
+        held += delta
+        assert held <= capacity.gpus + 1e-6
+    # The top priority waits less when the jobs in its way can be preempted.
+    without = simulate(generate_trace(200, seed=1, gpus=16), make_policy("priority"), capacity)
+    assert (Report.of("p", schedule, capacity).top_priority_wait_s
+            < Report.of("p", without, capacity).top_priority_wait_s)

@@ -3,15 +3,22 @@
 Owns: the trace format (CSV, :func:`read_trace` / :func:`write_trace`), :func:`generate_trace`
 (heavy-tailed durations, as in production clusters: a few long jobs hold most of the time),
 :func:`simulate` (an event-driven replay through the same :class:`Policy` objects the queue
-uses) and :class:`Report` (per policy: average and p95 job completion time, average queueing
-delay, utilization, the longest wait, and Jain's fairness index across teams).
+uses, preemption included) and :class:`Report` (per policy: average and p95 job completion
+time, average queueing delay, utilization, the longest wait, the top priority's average wait,
+preemptions, and Jain's fairness index across teams).
 
 Trace format: one row per job, a header with at least ``submit_s,duration_s,team`` and any of
-``id,cpus,gpus,priority,estimate_s``. ``submit_s`` counts from the trace's start; ``duration_s``
-is how long the job really ran; ``estimate_s`` is what the scheduler is told (default: the
-duration, a perfect prediction); ``cpus``/``gpus`` are the whole gang's resources (default 1
-CPU, 0 GPUs); ``priority`` is an integer >= 0 (default 0). Export your cluster's history in this
-form to replay it (``raydeck jobs`` or Ray's job API give submit, start and end times).
+``id,cpus,gpus,priority,estimate_s,checkpoint_s``. ``submit_s`` counts from the trace's start;
+``duration_s`` is how long the job really ran; ``estimate_s`` is what the scheduler is told
+(default: the duration, a perfect prediction); ``cpus``/``gpus`` are the whole gang's resources
+(default 1 CPU, 0 GPUs); ``priority`` is an integer >= 0 (default 0); ``checkpoint_s`` is the
+work between two of the job's checkpoints (empty: it never checkpoints, so it is never
+preempted). Export your cluster's history in this form to replay it (``raydeck jobs`` or Ray's
+job API give submit, start and end times).
+
+Preemption as the queue does it: when the policy's first waiting job does not fit, the policy
+names victims (:meth:`Policy.preempt`); each stops at its next checkpoint, losing no work, goes
+back to the queue in its place (same submission time) and later runs what it had left.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ import numpy as np
 from raydeck.errors import ConfigError
 from raydeck.scheduling.policies import Capacity, Policy, QueuedJob, Resources, RunningJob
 
-COLUMNS = ("id", "submit_s", "duration_s", "cpus", "gpus", "team", "priority", "estimate_s")
+COLUMNS = ("id", "submit_s", "duration_s", "cpus", "gpus", "team", "priority", "estimate_s",
+           "checkpoint_s")
 
 
 @dataclass(frozen=True)
@@ -43,6 +51,7 @@ class TraceJob:
     team: str
     priority: int = 0
     estimate_s: float | None = None
+    checkpoint_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("submit_s", "duration_s"):
@@ -51,13 +60,16 @@ class TraceJob:
                 raise ConfigError(f"job {self.id}: {name}={value} must be a number >= 0")
         if self.priority < 0:
             raise ConfigError(f"job {self.id}: priority={self.priority} must be >= 0")
-        if self.estimate_s is not None and not self.estimate_s > 0:
-            raise ConfigError(f"job {self.id}: estimate_s={self.estimate_s} must be > 0")
+        for name in ("estimate_s", "checkpoint_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"job {self.id}: {name}={value} must be > 0")
 
-    def queued(self) -> QueuedJob:
+    def queued(self, done_s: float = 0.0) -> QueuedJob:
+        """As the queue sees it, ``done_s`` of its work already done (before a preemption)."""
         estimate = self.estimate_s if self.estimate_s is not None else self.duration_s
         return QueuedJob(self.id, self.team, self.priority, self.needs, self.submit_s,
-                         max(estimate, 1e-9))
+                         max(estimate - done_s, 1e-9))
 
 
 def read_trace(path: Path) -> list[TraceJob]:
@@ -81,6 +93,8 @@ def read_trace(path: Path) -> list[TraceJob]:
                     needs=Resources(float(row.get("cpus") or 1), float(row.get("gpus") or 0)),
                     team=row["team"], priority=int(row.get("priority") or 0),
                     estimate_s=float(row["estimate_s"]) if row.get("estimate_s") else None,
+                    checkpoint_s=(float(row["checkpoint_s"]) if row.get("checkpoint_s")
+                                  else None),
                 ))
             except (ValueError, ConfigError) as exc:
                 raise ConfigError(f"{path}, line {line}: {exc}") from None
@@ -94,18 +108,21 @@ def write_trace(jobs: Iterable[TraceJob], path: Path) -> None:
         for job in jobs:
             writer.writerow([job.id, f"{job.submit_s:.3f}", f"{job.duration_s:.3f}",
                              job.needs.cpus, job.needs.gpus, job.team, job.priority,
-                             "" if job.estimate_s is None else f"{job.estimate_s:.3f}"])
+                             "" if job.estimate_s is None else f"{job.estimate_s:.3f}",
+                             "" if job.checkpoint_s is None else f"{job.checkpoint_s:.3f}"])
 
 
 def generate_trace(jobs: int = 400, *, seed: int = 0, gpus: float = 16, load: float = 0.9,
                    teams: Sequence[str] = ("vision", "nlp", "speech"),
-                   estimate_error: float = 0.3) -> list[TraceJob]:
+                   estimate_error: float = 0.3,
+                   checkpoint_s: float | None = None) -> list[TraceJob]:
     """A seeded heavy-tailed trace for a ``gpus``-GPU cluster at ``load`` offered load.
 
     Durations are log-normal (median 10 min, sigma 1.5: most jobs are short, a few run for
     days), gangs of 1-8 GPUs (most 1), arrivals Poisson at the rate that offers ``load`` of the
     cluster's GPU-time, and estimates off by a log-normal factor (``estimate_error``), as a
-    prediction from history is.
+    prediction from history is. Every job checkpoints each ``checkpoint_s`` of work (None:
+    none does, so nothing is preempted).
     """
     rng = random.Random(seed)
     sizes, size_weights = (1, 2, 4, 8), (0.6, 0.2, 0.15, 0.05)
@@ -121,17 +138,30 @@ def generate_trace(jobs: int = 400, *, seed: int = 0, gpus: float = 16, load: fl
             needs=Resources(cpus=2.0 * gang, gpus=float(min(gang, gpus))),
             team=rng.choice(list(teams)), priority=rng.choices((0, 1, 2), (0.7, 0.2, 0.1))[0],
             estimate_s=duration * math.exp(rng.gauss(0, estimate_error)),
+            checkpoint_s=checkpoint_s,
         ))
     return trace
 
 
 @dataclass(frozen=True)
 class Scheduled:
-    """When one job started and ended in a replay."""
+    """When one job ran in a replay: ``pieces`` of (start, end), more than one when it was
+    preempted (it stopped at checkpoints, so it lost no work)."""
 
     job: TraceJob
-    start_s: float
-    end_s: float
+    pieces: tuple[tuple[float, float], ...]
+
+    @property
+    def start_s(self) -> float:
+        return self.pieces[0][0]
+
+    @property
+    def end_s(self) -> float:
+        return self.pieces[-1][1]
+
+    @property
+    def preemptions(self) -> int:
+        return len(self.pieces) - 1
 
     @property
     def completion_s(self) -> float:
@@ -139,7 +169,8 @@ class Scheduled:
 
     @property
     def wait_s(self) -> float:
-        return self.start_s - self.job.submit_s
+        """Time queued in all: before it started and after each preemption."""
+        return self.completion_s - self.job.duration_s
 
 
 @dataclass(frozen=True)
@@ -154,6 +185,8 @@ class Report:
     longest_wait_s: float
     utilization: float
     fairness: float
+    top_priority_wait_s: float
+    preemptions: int
 
     @classmethod
     def of(cls, policy: str, schedule: Sequence[Scheduled], capacity: Resources) -> Report:
@@ -169,15 +202,19 @@ class Report:
             slowdowns.setdefault(s.job.team, []).append(
                 s.completion_s / max(s.job.duration_s, 1.0))
         per_team = np.asarray([float(np.mean(v)) for v in slowdowns.values()])
+        top = max(s.job.priority for s in schedule)
         return cls(policy, len(schedule), float(completions.mean()),
                    float(np.percentile(completions, 95)), float(waits.mean()),
                    float(waits.max()), busy / (size * span) if span > 0 else 0.0,
-                   float(per_team.sum() ** 2 / (len(per_team) * (per_team ** 2).sum())))
+                   float(per_team.sum() ** 2 / (len(per_team) * (per_team ** 2).sum())),
+                   float(np.mean([s.wait_s for s in schedule if s.job.priority == top])),
+                   sum(s.preemptions for s in schedule))
 
 
 def simulate(trace: Sequence[TraceJob], policy: Policy, capacity: Resources,
              pinned: Sequence[str] = ()) -> list[Scheduled]:
-    """Replay ``trace`` on a cluster of ``capacity`` under ``policy``; every job runs once.
+    """Replay ``trace`` on a cluster of ``capacity`` under ``policy``: every job runs all its
+    work, in one piece or, preempted at checkpoints, in several.
 
     Jobs whose ids are in ``pinned`` start when they arrive, whatever the policy says (the
     queue uses this for jobs already running when it predicts start times).
@@ -193,43 +230,127 @@ def simulate(trace: Sequence[TraceJob], policy: Policy, capacity: Resources,
     by_id = {job.id: job for job in trace}
     if len(by_id) != len(trace):
         raise ConfigError("trace: job ids must be unique")
-    arrivals = sorted(trace, key=lambda j: (j.submit_s, j.id))
-    ends: list[tuple[float, str]] = []
-    queue: list[QueuedJob] = []
-    running: dict[str, RunningJob] = {}
-    started: dict[str, float] = {}
-    free, now, index = capacity, 0.0, 0
-    while index < len(arrivals) or queue or running:
-        next_arrival = arrivals[index].submit_s if index < len(arrivals) else math.inf
-        next_end = ends[0][0] if ends else math.inf
-        now = min(next_arrival, next_end)
-        while ends and ends[0][0] <= now:
-            _, job_id = heapq.heappop(ends)
-            done = running.pop(job_id)
-            free = free + done.job.needs
-            policy.ended(done, now)
-        while index < len(arrivals) and arrivals[index].submit_s <= now:
-            arrival = arrivals[index].queued()
-            index += 1
-            if arrival.id in pinned:
-                running[arrival.id] = RunningJob(arrival, now)
-                started[arrival.id] = now
-                free = free - arrival.needs
-                heapq.heappush(ends, (now + by_id[arrival.id].duration_s, arrival.id))
-            else:
-                queue.append(arrival)
-        if not queue:
-            continue
-        for chosen in policy.decide(queue, list(running.values()), Capacity(free), capacity,
-                                    now):
-            queue.remove(chosen)
-            running[chosen.id] = RunningJob(chosen, now)
-            started[chosen.id] = now
-            free = free - chosen.needs
-            heapq.heappush(ends, (now + by_id[chosen.id].duration_s, chosen.id))
-        if not running and queue and index >= len(arrivals):
-            raise ConfigError(f"policy {policy.name} can start none of "
-                              f"{', '.join(j.id for j in queue)} on an idle cluster (a job "
-                              "larger than its team's quota?)")
-    return [Scheduled(job, started[job.id], started[job.id] + job.duration_s)
-            for job in trace]
+    return _Replay(by_id, policy, capacity, pinned).run(
+        sorted(trace, key=lambda j: (j.submit_s, j.id)))
+
+
+class _Replay:
+    """One replay's state: the queue, the running jobs (each from when its current piece
+    started, with the work it had done before), and the events (a heap of (time, job): an
+    event whose time is not its job's end is only a time to decide again: the job was asked
+    to stop earlier, or it is a checkpoint at which a victim may be chosen)."""
+
+    def __init__(self, jobs: dict[str, TraceJob], policy: Policy, capacity: Resources,
+                 pinned: Sequence[str]) -> None:
+        self.jobs, self.policy, self.capacity, self.pinned = jobs, policy, capacity, pinned
+        self.free = capacity
+        self.queue: list[QueuedJob] = []
+        self.running: dict[str, RunningJob] = {}
+        self.done_before: dict[str, float] = {}  # work done before the running piece
+        self.ends: list[tuple[float, str]] = []
+        self.end_at: dict[str, float] = {}
+        self.stopping: set[str] = set()
+        self.pieces: dict[str, list[tuple[float, float]]] = {}
+
+    def run(self, arrivals: list[TraceJob]) -> list[Scheduled]:
+        index = 0
+        while index < len(arrivals) or self.queue or self.running:
+            next_arrival = arrivals[index].submit_s if index < len(arrivals) else math.inf
+            now = min(next_arrival, self.ends[0][0] if self.ends else math.inf)
+            while self.ends and self.ends[0][0] <= now:
+                at, job_id = heapq.heappop(self.ends)
+                if self.end_at.get(job_id) == at:
+                    self._end(job_id, now)
+            while index < len(arrivals) and arrivals[index].submit_s <= now:
+                arrival = arrivals[index]
+                index += 1
+                if arrival.id in self.pinned:
+                    self._start(arrival.queued(), now)
+                else:
+                    self.queue.append(arrival.queued())
+            if not self.queue:
+                continue
+            running = [self._view(r, now) for r in self.running.values()]
+            for chosen in self.policy.decide(self.queue, running, Capacity(self.free),
+                                             self.capacity, now):
+                self.queue.remove(chosen)
+                self._start(chosen, now)
+            self._preempt(now)
+            if not self.running and self.queue and index >= len(arrivals):
+                raise ConfigError(f"policy {self.policy.name} can start none of "
+                                  f"{', '.join(j.id for j in self.queue)} on an idle cluster "
+                                  "(a job larger than its team's quota?)")
+        return [Scheduled(job, tuple(self.pieces[job.id])) for job in self.jobs.values()]
+
+    def _start(self, job: QueuedJob, now: float) -> None:
+        self.running[job.id] = RunningJob(job, now)
+        self.free = self.free - job.needs
+        self._end_at(job.id, now + self.jobs[job.id].duration_s - self.done_before.get(job.id, 0))
+
+    def _end_at(self, job_id: str, at: float) -> None:
+        self.end_at[job_id] = at
+        heapq.heappush(self.ends, (at, job_id))
+
+    def _end(self, job_id: str, now: float) -> None:
+        """A piece ended: the job finished, or stopped at the checkpoint it was asked to."""
+        piece = self.running.pop(job_id)
+        del self.end_at[job_id]
+        self.free = self.free + piece.job.needs
+        self.policy.ended(piece, now)
+        self.pieces.setdefault(job_id, []).append((piece.started_s, now))
+        if job_id in self.stopping:
+            self.stopping.discard(job_id)
+            self.done_before[job_id] = self._done(piece, now)
+            self.queue.append(self.jobs[job_id].queued(self.done_before[job_id]))
+
+    def _done(self, piece: RunningJob, now: float) -> float:
+        return self.done_before.get(piece.job.id, 0.0) + now - piece.started_s
+
+    def _view(self, piece: RunningJob, now: float) -> RunningJob:
+        """``piece`` with when it last committed a checkpoint (None: none yet, or it has just
+        started this piece: stopping it now would gain nothing, and would loop)."""
+        every = self.jobs[piece.job.id].checkpoint_s
+        if every is None or now <= piece.started_s:
+            return piece
+        done = self._done(piece, now)
+        committed = math.floor(done / every + 1e-9) * every
+        return RunningJob(piece.job, piece.started_s,
+                          now - (done - committed) if committed > 0 else None)
+
+    def _preempt(self, now: float) -> None:
+        """Ask the policy's victims to stop at their next checkpoint (jobs already stopping
+        count as gone, as in the queue)."""
+        if not self.queue:
+            return
+        pool = self.free
+        for job_id in self.stopping:
+            pool = pool + self.running[job_id].job.needs
+        others = [self._view(r, now) for r in self.running.values()
+                  if r.job.id not in self.stopping]
+        decision = self.policy.preempt(self.queue, others, pool, now)
+        if decision is None:
+            self._wake_at_next_checkpoint(others, now)
+        for victim in decision.victims if decision else ():
+            every = self.jobs[victim.job.id].checkpoint_s
+            assert every is not None, "the policy takes only jobs with a checkpoint"
+            done = self._done(victim, now)
+            stop = now + math.ceil(done / every - 1e-9) * every - done
+            if stop < self.end_at[victim.job.id]:
+                self.stopping.add(victim.job.id)
+                self._end_at(victim.job.id, stop)
+
+    def _wake_at_next_checkpoint(self, running: list[RunningJob], now: float) -> None:
+        """The queue decides at every tick; the replay only at events. A job of lower priority
+        than one waiting may become a victim when it next commits a checkpoint: decide again
+        then (an event with no job)."""
+        top = max(job.priority for job in self.queue)
+        times = []
+        for piece in running:
+            every = self.jobs[piece.job.id].checkpoint_s
+            if every is not None and piece.job.priority < top:
+                done = self._done(piece, now)
+                at = now + (math.floor(done / every + 1e-9) + 1) * every - done
+                if at < self.end_at[piece.job.id]:
+                    times.append(at)
+        if times:
+            heapq.heappush(self.ends, (min(times), ""))
