@@ -72,12 +72,22 @@ class Cluster:
                         "--seconds", str(seconds), "--log", str(self.log),
                         *(["--hold"] if hold else []))
 
-    def digits(self, name: str, preset: str, team: str, priority: int, epochs: int) -> str:
-        """Queue the real digits job (jobs/digits_torch.py); its run is tagged ``name``."""
+    def digits(self, name: str, preset: str, team: str, priority: int, epochs: int,
+               job: str = "digits_torch.py") -> str:
+        """Queue a real digits job (``job``: jobs/digits_torch.py or digits_lightning.py); its
+        run is tagged ``name``."""
         return _ok(self.cli(
-            "submit", "digits_torch.py", "--queue", "--no-check", "--runtime-env",
+            "submit", job, "--queue", "--no-check", "--runtime-env",
             "runtime.yaml", "--preset", preset, "--run-name", name, "--run-id", name, "--team",
             team, "--priority", str(priority), "--", "--epochs", str(epochs)))
+
+    def python(self, script: str) -> str:
+        """Run ``script`` in a Python connected to this cluster (as a driver); its stdout."""
+        done = subprocess.run([sys.executable, "-c", script],
+                              env={**self.env, "RAY_ADDRESS": self.head.gcs_address},
+                              capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
 
     def events(self) -> dict[str, dict[str, list[float]]]:
         """run name -> {"start": [times], "end": [times]}."""
@@ -205,11 +215,7 @@ def _placement_groups(cluster: Cluster) -> dict[str, Any]:
         "          for g in list_placement_groups(detail=True, limit=10000)]\n"
         "nodes = {n['NodeID']: n['Resources'].get('CPU', 0) for n in ray.nodes() if n['Alive']}\n"
         "print(json.dumps({'groups': groups, 'nodes': nodes}))\n")
-    done = subprocess.run([sys.executable, "-c", script],
-                          env={**cluster.env, "RAY_ADDRESS": cluster.head.gcs_address},
-                          capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    found: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    found: dict[str, Any] = json.loads(cluster.python(script).splitlines()[-1])
     return found
 
 
@@ -286,12 +292,9 @@ def test_a_killed_queue_actor_loses_and_repeats_nothing(cluster: Cluster) -> Non
     _ok(cluster.submit("w2", "q1", 3, "c"))
     before = _ok(cluster.cli("queue"))
     assert "queued" in _row(before, "raydeck-w1") and "queued" in _row(before, "raydeck-w2")
-    killed = subprocess.run(
-        [sys.executable, "-c", "import ray; ray.init(address='auto', logging_level='ERROR'); "
-         "ray.kill(ray.get_actor('raydeck-queue', namespace='raydeck'), no_restart=True)"],
-        env={**cluster.env, "RAY_ADDRESS": cluster.head.gcs_address}, capture_output=True,
-        text=True, timeout=CLI_TIMEOUT_S)
-    assert killed.returncode == 0, killed.stderr
+    cluster.python("import ray; ray.init(address='auto', logging_level='ERROR'); "
+                   "ray.kill(ray.get_actor('raydeck-queue', namespace='raydeck'), "
+                   "no_restart=True)")
     # `raydeck queue` starts the queue again; it reads every job back from its database.
     listing = _ok(cluster.cli("queue"))
     assert "raydeck-w1" in listing and "raydeck-w2" in listing, listing
@@ -341,10 +344,7 @@ def test_low_priority_jobs_are_preempted_at_a_checkpoint_and_resume_in_their_run
     _ok(cluster.cli("queue", "--policy", "priority"))
     epochs = {"pre-low": 60, "pre-lit": 40}
     cluster.digits("pre-low", "d3", "c", 0, epochs["pre-low"])
-    _ok(cluster.cli(
-        "submit", "digits_lightning.py", "--queue", "--no-check", "--runtime-env",
-        "runtime.yaml", "--preset", "d3", "--run-name", "pre-lit", "--run-id", "pre-lit",
-        "--team", "c", "--", "--epochs", str(epochs["pre-lit"])))
+    cluster.digits("pre-lit", "d3", "c", 0, epochs["pre-lit"], job="digits_lightning.py")
     wait_until(lambda: all(_latest_epoch(mlflow_client, job) >= 1 for job in epochs), 300,
                "both low-priority jobs to commit a checkpoint")
     cluster.digits("pre-high", "d8", "c", 5, 3)

@@ -306,14 +306,22 @@ class _Replay:
     def _done(self, piece: RunningJob, now: float) -> float:
         return self.done_before.get(piece.job.id, 0.0) + now - piece.started_s
 
+    def _checkpoints(self, piece: RunningJob, now: float) -> tuple[float, float, float] | None:
+        """``(done, committed, every)``: the work the job has done by ``now``, the work its last
+        checkpoint holds, and the work between checkpoints; None when it never checkpoints."""
+        every = self.jobs[piece.job.id].checkpoint_s
+        if every is None:
+            return None
+        done = self._done(piece, now)
+        return done, math.floor(done / every + 1e-9) * every, every
+
     def _view(self, piece: RunningJob, now: float) -> RunningJob:
         """``piece`` with when it last committed a checkpoint (None: none yet, or it has just
         started this piece: stopping it now would gain nothing, and would loop)."""
-        every = self.jobs[piece.job.id].checkpoint_s
-        if every is None or now <= piece.started_s:
+        checkpoints = self._checkpoints(piece, now)
+        if checkpoints is None or now <= piece.started_s:
             return piece
-        done = self._done(piece, now)
-        committed = math.floor(done / every + 1e-9) * every
+        done, committed, _ = checkpoints
         return RunningJob(piece.job, piece.started_s,
                           now - (done - committed) if committed > 0 else None)
 
@@ -331,10 +339,11 @@ class _Replay:
         if decision is None:
             self._wake_at_next_checkpoint(others, now)
         for victim in decision.victims if decision else ():
-            every = self.jobs[victim.job.id].checkpoint_s
-            assert every is not None, "the policy takes only jobs with a checkpoint"
-            done = self._done(victim, now)
-            stop = now + math.ceil(done / every - 1e-9) * every - done
+            checkpoints = self._checkpoints(victim, now)
+            assert checkpoints is not None, "the policy takes only jobs with a checkpoint"
+            done, committed, every = checkpoints
+            # At a checkpoint now (within rounding): stop here; else at the next one.
+            stop = now + (committed if done - committed < 1e-9 else committed + every) - done
             if stop < self.end_at[victim.job.id]:
                 self.stopping.add(victim.job.id)
                 self._end_at(victim.job.id, stop)
@@ -346,10 +355,10 @@ class _Replay:
         top = max(job.priority for job in self.queue)
         times = []
         for piece in running:
-            every = self.jobs[piece.job.id].checkpoint_s
-            if every is not None and piece.job.priority < top:
-                done = self._done(piece, now)
-                at = now + (math.floor(done / every + 1e-9) + 1) * every - done
+            checkpoints = self._checkpoints(piece, now)
+            if checkpoints is not None and piece.job.priority < top:
+                done, committed, every = checkpoints
+                at = now + committed + every - done
                 if at < self.end_at[piece.job.id]:
                     times.append(at)
         if times:
