@@ -36,10 +36,42 @@ TEST_ENV = {
 RAY_NUM_CPUS = 4
 RAY_START_ATTEMPTS = 3
 
+# Fixtures that start a Ray cluster or run a training job: a test using one (directly or
+# through another fixture) is ``slow``, so ``pytest -m "not slow"`` (the inner loop) skips it.
+# Tests that start a cluster in a subprocess (``raydeck demo``, ``ray start``) say so with
+# ``@pytest.mark.slow`` themselves.
+CLUSTER_FIXTURES = frozenset({"ray_cluster"})
+
+# Modules that hold a pytest-xdist worker longest, heaviest first (docs/testing.md has the
+# measured table). ``--dist loadfile`` hands out whole modules in collection order, so these
+# start first and the light modules fill in around them; the rest keep their order.
+HEAVIEST_MODULES = (
+    "test_queue.py",
+    "test_sweeps.py",
+    "test_secrets_e2e.py",
+    "test_scaling_gpu_packing.py",
+    "test_storage_runs.py",
+    "test_stack.py",
+    "test_fault_tolerance.py",
+    "test_jobs.py",
+    "test_serving.py",
+    "test_observability_e2e.py",
+    "test_demo.py",
+)
+
 # A stack someone started on this machine (`raydeck up`) must not become the suite's MLflow, S3
 # or Ray: its connection file is read by every raydeck process (tests/test_stack.py points
 # its own processes at its own file).
 os.environ["RAYDECK_STACK_FILE"] = ""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark cluster tests ``slow``; order the heaviest modules first (stable otherwise)."""
+    for item in items:
+        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+    rank = {name: index for index, name in enumerate(HEAVIEST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(scope="session")
