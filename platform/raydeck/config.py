@@ -18,13 +18,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import tomllib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
-
-import tomllib
 
 from raydeck.errors import ConfigError
 from raydeck.redaction import redact_env, redact_value

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import json
 import os
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from raydeck.config import Secret
 from raydeck.errors import ConfigError
