@@ -40,6 +40,9 @@ RAY_START_ATTEMPTS = 3
 # or Ray: its connection file is read by every raydeck process (tests/test_stack.py points
 # its own processes at its own file).
 os.environ["RAYDECK_STACK_FILE"] = ""
+# Likewise a tracking server the developer's shell names (raydeck uses MLflow's variable when
+# RAYDECK_TRACKING_URI is not set); tests that need it set it themselves.
+os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
 @pytest.fixture(scope="session")
