@@ -63,6 +63,9 @@ HEAVIEST_MODULES = (
 # or Ray: its connection file is read by every raydeck process (tests/test_stack.py points
 # its own processes at its own file).
 os.environ["RAYDECK_STACK_FILE"] = ""
+# Likewise a tracking server the developer's shell names (raydeck uses MLflow's variable when
+# RAYDECK_TRACKING_URI is not set); tests that need it set it themselves.
+os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

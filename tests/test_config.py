@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from raydeck.config import Secret, load_settings
+from raydeck.config import Secret, load_settings, load_settings_with_origins
 from raydeck.errors import ConfigError
 
 
@@ -76,3 +79,80 @@ def test_secrets_never_show_in_repr_or_runtime_env() -> None:
     assert "s3cr3t-value" not in repr(settings)
     assert "s3cr3t-value" not in str(settings.storage.secret_access_key)
     assert "s3cr3t-value" not in str(settings.to_env())
+
+
+# --- MLflow's own variable ------------------------------------------------------------------
+MLFLOW_URI = "http://mlflow.example:5000"
+
+
+def test_mlflow_tracking_uri_is_the_tracking_uri_when_raydeck_names_none() -> None:
+    from raydeck.cluster import job_runtime_env
+
+    settings, origins = load_settings_with_origins(env={"MLFLOW_TRACKING_URI": MLFLOW_URI})
+    assert settings.tracking.uri == MLFLOW_URI
+    assert origins["RAYDECK_TRACKING_URI"] == "MLFLOW_TRACKING_URI"
+    # An MLflow server keeps its own artifact root, as for RAYDECK_TRACKING_URI.
+    assert settings.tracking.artifact_location == ""
+    # Jobs and workers get the resolved URI under raydeck's name.
+    assert settings.to_env()["RAYDECK_TRACKING_URI"] == MLFLOW_URI
+    assert job_runtime_env(settings)["env_vars"]["RAYDECK_TRACKING_URI"] == MLFLOW_URI
+
+
+def test_raydeck_settings_win_over_mlflow_tracking_uri(tmp_path: Path) -> None:
+    ours = "http://raydeck.example:5000"
+    settings, origins = load_settings_with_origins(
+        env={"MLFLOW_TRACKING_URI": MLFLOW_URI, "RAYDECK_TRACKING_URI": ours})
+    assert settings.tracking.uri == ours and origins["RAYDECK_TRACKING_URI"] == "environment"
+    config = tmp_path / "raydeck.toml"
+    config.write_text(f'[tracking]\nuri = "{ours}"\n')
+    settings, origins = load_settings_with_origins(env={"MLFLOW_TRACKING_URI": MLFLOW_URI},
+                                                   config_file=config)
+    assert settings.tracking.uri == ours and origins["RAYDECK_TRACKING_URI"] == str(config)
+
+
+def test_an_empty_value_counts_as_unset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    monkeypatch.chdir(tmp_path)
+    # A runtime env's ${RAYDECK_TRACKING_URI} filled in as empty defers to MLflow's variable ...
+    settings, origins = load_settings_with_origins(
+        env={"RAYDECK_TRACKING_URI": "", "MLFLOW_TRACKING_URI": MLFLOW_URI})
+    assert settings.tracking.uri == MLFLOW_URI and origins["RAYDECK_TRACKING_URI"] == (
+        "MLFLOW_TRACKING_URI")
+    # ... and an empty MLFLOW_TRACKING_URI to the embedded default.
+    settings, origins = load_settings_with_origins(env={"MLFLOW_TRACKING_URI": " "})
+    assert settings.tracking.uri == f"sqlite:///{tmp_path / '.raydeck' / 'mlflow.db'}"
+    assert origins["RAYDECK_TRACKING_URI"] == "default"
+
+
+@pytest.mark.parametrize("uri", ["./mlruns", "file:///tmp/mlruns"])
+def test_an_mlflow_tracking_uri_raydeck_cannot_use_is_named_with_the_way_out(uri: str) -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        load_settings(env={"MLFLOW_TRACKING_URI": uri})
+    message = str(excinfo.value)
+    assert message.startswith(f"MLFLOW_TRACKING_URI = {uri!r}")
+    assert "set RAYDECK_TRACKING_URI" in message
+    # Not used, not checked: raydeck's own setting wins.
+    assert load_settings(env={"MLFLOW_TRACKING_URI": uri,
+                              "RAYDECK_TRACKING_URI": MLFLOW_URI}).tracking.uri == MLFLOW_URI
+
+
+def test_credentials_in_mlflow_tracking_uri_stay_out_of_errors_and_runtime_envs() -> None:
+    password = "mlflow-pw-1234"
+    settings = load_settings(env={"MLFLOW_TRACKING_URI": f"http://bob:{password}@m:5000"})
+    assert settings.tracking.uri == f"http://bob:{password}@m:5000"  # the proxy needs it
+    assert settings.to_env()["RAYDECK_TRACKING_URI"] == "http://m:5000"
+    with pytest.raises(ConfigError) as excinfo:
+        load_settings(env={"MLFLOW_TRACKING_URI": f"file://bob:{password}@h/x"})
+    assert password not in str(excinfo.value)
+
+
+def test_raydeck_config_says_where_the_tracking_uri_came_from(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAYDECK_", "MLFLOW_"))}
+    shown = subprocess.run(
+        [sys.executable, "-m", "raydeck.cli", "config"], cwd=tmp_path, capture_output=True,
+        text=True, timeout=60,
+        env={**env, "RAYDECK_STACK_FILE": "", "MLFLOW_TRACKING_URI": MLFLOW_URI,
+             "COLUMNS": "200"})
+    assert shown.returncode == 0, shown.stderr
+    row = next(line for line in shown.stdout.splitlines() if "RAYDECK_TRACKING_URI" in line)
+    assert MLFLOW_URI in row and "MLFLOW_TRACKING_URI" in row

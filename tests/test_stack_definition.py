@@ -189,6 +189,10 @@ def test_connection_file_is_the_lowest_precedence(
                               "RAY_ADDRESS": "10.0.0.1:6379"})
     assert over.tracking.uri == "http://elsewhere:5000"  # the environment wins
     assert over.ray_address == ""  # RAY_ADDRESS is Ray's own: the stack's address steps back
+    # MLFLOW_TRACKING_URI is MLflow's own: the stack's tracking URI steps back the same way.
+    mlflow = load_settings(env={**env, "MLFLOW_TRACKING_URI": "http://company-mlflow:5000"})
+    assert mlflow.tracking.uri == "http://company-mlflow:5000"
+    assert mlflow.storage.endpoint == "http://127.0.0.1:19000"  # the rest of the stack stays
     assert load_settings(env={"RAYDECK_STACK_FILE": ""}).tracking.uri.startswith("sqlite:")
 
 

@@ -7,10 +7,19 @@ variable (derived from the section's prefix and the field name), type, default a
 Precedence: environment variable > ``raydeck.toml`` (``$RAYDECK_CONFIG`` or ``./raydeck.toml``) >
 the running stack's connection file (``raydeck up``; ``$RAYDECK_STACK_FILE``, see
 :mod:`raydeck.stack.connection`) > default. Defaults make the embedded mode work with nothing
-set: a local Ray instance, an MLflow SQLite file and artifacts under ``./.raydeck/``. Every value
-is validated once, at load, and a bad one raises :class:`~raydeck.errors.ConfigError` naming the
-variable, the TOML key and what is accepted. Secrets are :class:`Secret` objects whose
-``repr``/``str`` never show the value.
+set: a local Ray instance, an MLflow SQLite file and artifacts under ``./.raydeck/``.
+
+The ecosystem's own variables count as well, below raydeck's explicit settings: the tracking URI
+is ``RAYDECK_TRACKING_URI`` > ``raydeck.toml`` ``[tracking].uri`` > ``MLFLOW_TRACKING_URI``
+(MLflow's variable, which every MLflow user already has) > the stack's > the embedded SQLite
+file. ``MLFLOW_TRACKING_URI`` wins over the stack as ``RAY_ADDRESS`` wins over the stack's Ray
+address: a process told where its server is keeps it. An empty value counts as unset.
+:func:`load_settings_with_origins` says which source each value came from (``raydeck config``
+shows it).
+
+Every value is validated once, at load, and a bad one raises
+:class:`~raydeck.errors.ConfigError` naming the variable, the TOML key and what is accepted.
+Secrets are :class:`Secret` objects whose ``repr``/``str`` never show the value.
 """
 
 from __future__ import annotations
@@ -18,19 +27,25 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import tomllib
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
-import tomllib
-
 from raydeck.errors import ConfigError
 from raydeck.redaction import redact_env, redact_value
 
 CONFIG_FILE_ENV = "RAYDECK_CONFIG"
 DEFAULT_CONFIG_FILE = "raydeck.toml"
+# MLflow's own variable: the tracking URI when raydeck's settings name none.
+MLFLOW_TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+# Where a setting's value came from, as load_settings_with_origins names it (a raydeck.toml
+# value is named by its file's path, MLFLOW_TRACKING_URI by its name).
+ORIGIN_ENVIRONMENT = "environment"
+ORIGIN_STACK = "stack file"
+ORIGIN_DEFAULT = "default"
 
 TrackingMode = Literal["rank_zero", "all_ranks", "per_rank"]
 NonFinitePolicy = Literal["keep", "error"]
@@ -94,6 +109,22 @@ class _Section:
         )
 
 
+def tracking_uri_problem(uri: str) -> str | None:
+    """Why raydeck cannot track to ``uri`` (a non-empty tracking URI), or None if it can.
+
+    The rule is the same wherever the URI comes from (``RAYDECK_TRACKING_URI``, raydeck.toml,
+    ``MLFLOW_TRACKING_URI``), so each source's error can name its own variable.
+    """
+    if not re.match(rf"^({'|'.join(_URI_SCHEMES)})(\+\w+)?:", uri):
+        return f"must be a URI with one of the schemes {', '.join(_URI_SCHEMES)}"
+    if uri.startswith("file:"):
+        return ("MLflow's file store cannot tell a refused value from a failure and keeps "
+                "repeated points, so raydeck cannot promise exactly-once delivery to it; use a "
+                "SQL store instead, e.g. sqlite:////path/to/mlflow.db (or leave it empty for "
+                "the embedded default)")
+    return None
+
+
 @dataclass(frozen=True)
 class TrackingSettings(_Section):
     """The tracking proxy and the MLflow server it writes to."""
@@ -101,7 +132,8 @@ class TrackingSettings(_Section):
     ENV_PREFIX: ClassVar[str] = "RAYDECK_TRACKING_"
     TOML_TABLE: ClassVar[str] = "tracking"
 
-    uri: str = setting("", "MLflow tracking URI; empty means sqlite:///<data_dir>/mlflow.db")
+    uri: str = setting(
+        "", "MLflow tracking URI; empty: MLFLOW_TRACKING_URI, else sqlite:///<data_dir>/mlflow.db")
     artifact_location: str = setting(
         "", "Artifact root for experiments raydeck creates; empty: S3 if configured, else local"
     )
@@ -132,17 +164,9 @@ class TrackingSettings(_Section):
         True, "all_ranks mode: also write <key>/mean, /min, /max and /straggler_rank per step")
 
     def __post_init__(self) -> None:
-        if self.uri and not re.match(rf"^({'|'.join(_URI_SCHEMES)})(\+\w+)?:", self.uri):
-            raise self._reject(
-                "uri", f"must be a URI with one of the schemes {', '.join(_URI_SCHEMES)}"
-            )
-        if self.uri.startswith("file:"):
-            raise self._reject(
-                "uri", "MLflow's file store cannot tell a refused value from a failure and keeps "
-                "repeated points, so raydeck cannot promise exactly-once delivery to it; use a "
-                "SQL store instead, e.g. sqlite:////path/to/mlflow.db (or leave it empty for "
-                "the embedded default)"
-            )
+        problem = tracking_uri_problem(self.uri) if self.uri else None
+        if problem:
+            raise self._reject("uri", problem)
         if self.mode not in get_args(TrackingMode):
             raise self._reject("mode", f"must be one of {', '.join(get_args(TrackingMode))}")
         if self.nonfinite not in get_args(NonFinitePolicy):
@@ -364,18 +388,38 @@ def load_settings(
         ``tracking.artifact_location`` concrete.
 
     Raises:
-        ConfigError: a value is malformed or a key unknown; the message names it.
+        ConfigError: a value is malformed or a key unknown; the message names it (and names
+            ``MLFLOW_TRACKING_URI`` when the tracking URI came from it).
+    """
+    return load_settings_with_origins(env, config_file)[0]
+
+
+def load_settings_with_origins(
+    env: Mapping[str, str] | None = None, config_file: str | Path | None = None
+) -> tuple[Settings, dict[str, str]]:
+    """:func:`load_settings`, and where each value came from.
+
+    Returns:
+        The settings, and for every variable of :func:`settings_reference` its origin:
+        :data:`ORIGIN_ENVIRONMENT`, the path of the raydeck.toml that set it,
+        :data:`MLFLOW_TRACKING_URI_ENV` (the tracking URI only), :data:`ORIGIN_STACK` or
+        :data:`ORIGIN_DEFAULT`.
+
+    Raises:
+        ConfigError: as :func:`load_settings`.
     """
     env = os.environ if env is None else env
     path = config_file or env.get(CONFIG_FILE_ENV)
-    document: dict[str, Any] = {}
+    user: dict[str, Any] = {}
+    user_origin = DEFAULT_CONFIG_FILE
     if path:
         if not Path(path).is_file():
             raise ConfigError(f"{CONFIG_FILE_ENV} = {str(path)!r}: no such file")
-        document = _read_toml(Path(path))
+        user, user_origin = _read_toml(Path(path)), str(path)
     elif Path(DEFAULT_CONFIG_FILE).is_file():
-        document = _read_toml(Path(DEFAULT_CONFIG_FILE))
-    document = _under(_stack_document(env), document)
+        user = _read_toml(Path(DEFAULT_CONFIG_FILE))
+    stack = _stack_document(env)
+    document = _under(stack, user)
 
     tables = {}
     for section in (TrackingSettings, StorageSettings):
@@ -385,7 +429,41 @@ def load_settings(
         tables[section.TOML_TABLE] = _build(section, env, table, {})
     top = {k: v for k, v in document.items() if k not in tables}
     settings: Settings = _build(Settings, env, top, tables)
-    return _resolve(settings)
+    origins = {
+        section.env_name(f.name): _origin(section, f.name, env, (user_origin, user),
+                                          (ORIGIN_STACK, stack))
+        for section, obj in _sections(settings) for f in dataclasses.fields(obj)
+        if f.name not in ("tracking", "storage")
+    }
+    mlflow_uri = env.get(MLFLOW_TRACKING_URI_ENV, "").strip()
+    if mlflow_uri and not settings.tracking.uri:
+        problem = tracking_uri_problem(mlflow_uri)
+        if problem:
+            raise ConfigError(
+                f"{MLFLOW_TRACKING_URI_ENV} = {redact_value(MLFLOW_TRACKING_URI_ENV, mlflow_uri)!r}"
+                f" (raydeck's tracking URI, as RAYDECK_TRACKING_URI is not set): {problem}; or "
+                "set RAYDECK_TRACKING_URI (raydeck.toml [tracking].uri) for raydeck alone"
+            )
+        settings = dataclasses.replace(
+            settings, tracking=dataclasses.replace(settings.tracking, uri=mlflow_uri))
+        origins[TrackingSettings.env_name("uri")] = MLFLOW_TRACKING_URI_ENV
+    return _resolve(settings), origins
+
+
+def _origin(section: type[_Section], name: str, env: Mapping[str, str],
+            *documents: tuple[str, Mapping[str, Any]]) -> str:
+    """Where ``name`` of ``section`` was read from: the environment, the first of ``documents``
+    (label, raydeck.toml-shaped document; highest precedence first) that sets it, or default.
+    An empty value counts as set here; :func:`load_settings_with_origins` handles the one
+    setting whose empty value defers to another variable (the tracking URI).
+    """
+    if section.env_name(name) in env:
+        return ORIGIN_ENVIRONMENT
+    for label, document in documents:
+        table = document.get(section.TOML_TABLE, {}) if section.TOML_TABLE else document
+        if isinstance(table, dict) and name in table:
+            return label
+    return ORIGIN_DEFAULT
 
 
 def _resolve(settings: Settings) -> Settings:

@@ -4,7 +4,8 @@ Owns: reaching the job server with its authentication token, reading the runtime
 ``runtime_envs/`` (filling in ``${NAME}`` values from the submitting environment, never secrets),
 the preflight probe that checks the cluster's Python can import raydeck and reads its resources,
 submission with a run id known before the job starts, log streaming, and the job list. Does not
-own what a job does (``jobs/*.py``) or the cluster itself.
+own what a job does (``jobs/*.py``), the cluster itself, or which job server an address leads to
+(:mod:`raydeck.job_server_address`).
 
 Three facts of Ray 2.60 shape this module:
 
@@ -29,13 +30,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import ipaddress
 import json
 import logging
 import os
 import re
 import shlex
-import socket
 import sys
 import time
 import uuid
@@ -43,10 +42,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 from raydeck.config import Secret
 from raydeck.errors import ClusterUnavailableError, ConfigError, JobSubmissionError
+from raydeck.job_server_address import API_SERVER_ADDRESS_ENV, find_job_server, is_local_address
 from raydeck.redaction import is_secret_name, redact_text, redact_url
 
 if TYPE_CHECKING:
@@ -56,7 +55,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_JOB_SERVER = "http://127.0.0.1:8265"
 # "The same job" across submissions (a digest, not a credential: no KEY/TOKEN in the names, which
 # redaction would hide): the job's driver tags its MLflow run with it, and the queue predicts
 # durations from earlier runs with that tag.
@@ -89,39 +87,16 @@ _AUTH_HINT = (
 
 # --- the job server -------------------------------------------------------------------------
 def job_server_address(address: str | None = None, env: Mapping[str, str] | None = None) -> str:
-    """The job server's URL: ``address``, else ``RAY_API_SERVER_ADDRESS``, else ``RAY_ADDRESS``
-    when it is an ``http(s)://`` URL (as ``ray job submit`` reads them), else the running
-    stack's (``raydeck up``), else the local default.
-    """
-    from raydeck.stack.connection import job_server
+    """The job server's URL for a command's ``--address`` and ``env`` (default ``os.environ``):
+    :func:`raydeck.job_server_address.find_job_server`, which reads Ray's variables in each of
+    their forms; a GCS it asks for its dashboard gets the token :func:`auth_token` allows.
 
+    Raises:
+        ConfigError: a setting or the chosen address is malformed.
+        ClusterUnavailableError: a cluster address leads to no job server.
+    """
     env = os.environ if env is None else env
-    for candidate in (address, env.get("RAY_API_SERVER_ADDRESS"), env.get("RAY_ADDRESS")):
-        if candidate and (candidate is address or candidate.startswith(("http://", "https://"))):
-            return candidate.rstrip("/")
-    return (job_server(env) or DEFAULT_JOB_SERVER).rstrip("/")
-
-
-def is_local_address(address: str) -> bool:
-    """Whether the host of ``address`` (a URL or ``host:port``) is this machine.
-
-    True for loopback names and addresses and for the addresses of this machine's interfaces
-    (a head started here may serve on the machine's LAN address). A name that does not resolve
-    is not local.
-    """
-    import psutil
-
-    host = urlsplit(address if "://" in address else f"//{address}").hostname
-    if not host:
-        return False
-    try:
-        resolved = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
-    except OSError:
-        return False
-    own = {entry.address.split("%")[0] for entries in psutil.net_if_addrs().values()
-           for entry in entries if entry.family in (socket.AF_INET, socket.AF_INET6)}
-    return all(ipaddress.ip_address(ip.split("%")[0]).is_loopback or ip in own
-               for ip in resolved)
+    return find_job_server(address, env, token_for=lambda gcs: auth_token(env, job_server=gcs))
 
 
 def auth_token(env: Mapping[str, str] | None = None, job_server: str | None = None
@@ -224,7 +199,7 @@ class JobServer:
             raise ClusterUnavailableError(
                 f"cannot reach the Ray job server at {self.address} ({reason}); start the "
                 "cluster (`ray start --head` serves it on port 8265) or pass --address / set "
-                "RAY_ADDRESS to its http:// URL"
+                f"{API_SERVER_ADDRESS_ENV} to its http:// URL"
             )
         headers = {"Authorization": f"Bearer {self.token.reveal()}"} if self.token else {}
         try:

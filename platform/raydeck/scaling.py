@@ -20,11 +20,10 @@ import dataclasses
 import logging
 import math
 import re
+import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from raydeck.errors import InfeasibleResourcesError, PresetError
 

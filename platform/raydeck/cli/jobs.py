@@ -28,8 +28,11 @@ def submit(
     preset: str = typer.Option("cpu-2", help="Scaling preset (`raydeck presets`)."),
     runtime_env: str = typer.Option(DEFAULT_RUNTIME_ENV, "--runtime-env",
                                     help="Runtime env YAML (runtime_envs/*.yaml)."),
-    address: str = typer.Option(None, help="Job server URL (default RAY_API_SERVER_ADDRESS, "
-                                           "RAY_ADDRESS if http(s), else http://127.0.0.1:8265)."),
+    address: str = typer.Option(None, help="Job server URL, http://host:8265, or a Ray Client "
+                                "address ray://host:10001. Default: RAY_API_SERVER_ADDRESS, "
+                                "else RAY_ADDRESS or RAYDECK_RAY_ADDRESS in any of Ray's forms "
+                                "(a GCS address host:6379 leads to its dashboard), else the "
+                                "running stack's, else http://127.0.0.1:8265."),
     run_name: str = typer.Option(None, help="MLflow run name (default: the job file's name)."),
     run_id: str = typer.Option(None, help="Run id to resume or join (default: a new run)."),
     wait: bool = typer.Option(True, help="Stream the job's log until it ends."),

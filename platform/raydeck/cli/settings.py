@@ -15,19 +15,22 @@ def show(
     markdown: bool = typer.Option(False, "--markdown",
                                   help="Print the reference table of every RAYDECK_* variable."),
 ) -> None:
-    """Show the effective settings after env, raydeck.toml and defaults (secrets masked)."""
-    from raydeck.config import load_settings, settings_markdown, settings_reference
+    """Show the effective settings after env, raydeck.toml, the ecosystem's variables
+    (MLFLOW_TRACKING_URI), the running stack and defaults (secrets masked), each with the
+    source it came from."""
+    from raydeck.config import load_settings_with_origins, settings_markdown, settings_reference
 
     if markdown:
         typer.echo(settings_markdown())
         return
-    settings = load_settings()
+    settings, origins = load_settings_with_origins()
     table = Table(title="raydeck settings")
     table.add_column("variable")
     table.add_column("value")
+    table.add_column("from")
     flat = settings.to_env()
     secret_shown = "******** (set)" if settings.storage.secret_access_key else ""
     for var, _key, _default, _doc in settings_reference():
         # Only secrets are missing from to_env(); they are never shown.
-        table.add_row(var, flat.get(var, secret_shown))
+        table.add_row(var, flat.get(var, secret_shown), origins[var])
     console.print(table)

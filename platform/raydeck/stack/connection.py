@@ -9,8 +9,9 @@ What it holds (TOML, mode 0600, no secret):
 
 - the settings that point raydeck at the stack, in ``raydeck.toml``'s shape (``data_dir``,
   ``ray_address``, ``[tracking]``, ``[storage]``). :func:`raydeck.config.load_settings` reads
-  them at the lowest precedence: environment variables and ``raydeck.toml`` win, and
-  ``RAY_ADDRESS`` in the environment wins over its ``ray_address``. The S3 secret is read from
+  them at the lowest precedence: environment variables and ``raydeck.toml`` win,
+  ``RAY_ADDRESS`` in the environment wins over its ``ray_address`` and ``MLFLOW_TRACKING_URI``
+  over its ``[tracking].uri``. The S3 secret is read from
   the stack's credentials file (0600), which the ``[stack]`` table names, never copied here.
 - ``[stack]``: the state directory, the credentials and Ray token files, the job server and
   the URLs of the services (for ``raydeck submit``, the notebooks and ``raydeck ps``).
@@ -23,14 +24,13 @@ from __future__ import annotations
 
 import json
 import os
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
-from raydeck.config import Secret
+from raydeck.config import MLFLOW_TRACKING_URI_ENV, Secret
 from raydeck.errors import ConfigError
 
 STACK_FILE_ENV = "RAYDECK_STACK_FILE"
@@ -166,7 +166,8 @@ def settings_document(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     precedence), with the S3 secret from the credentials file; ``{}`` without a stack.
 
     ``ray_address`` is left out when ``RAY_ADDRESS`` is set: a process told where its cluster
-    is (a Ray job's driver, a user's shell) keeps it.
+    is (a Ray job's driver, a user's shell) keeps it. ``[tracking].uri`` is left out when
+    ``MLFLOW_TRACKING_URI`` is set, for the same reason (MLflow's own variable).
     """
     env = os.environ if env is None else env
     connection = read(env)
@@ -176,6 +177,8 @@ def settings_document(env: Mapping[str, str] | None = None) -> dict[str, Any]:
                 for key, value in connection.settings.items()}
     if env.get("RAY_ADDRESS"):
         document.pop("ray_address", None)
+    if env.get(MLFLOW_TRACKING_URI_ENV, "").strip() and isinstance(document.get("tracking"), dict):
+        document["tracking"].pop("uri", None)
     secret = connection.s3_secret()
     if secret and "storage" in document:
         document["storage"]["secret_access_key"] = secret.reveal()

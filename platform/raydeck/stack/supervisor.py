@@ -32,7 +32,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from raydeck.config import Settings, load_settings
+from raydeck.config import (
+    MLFLOW_TRACKING_URI_ENV,
+    Settings,
+    TrackingSettings,
+    load_settings,
+    load_settings_with_origins,
+)
 from raydeck.errors import ConfigError, StackError
 from raydeck.stack import connection, credentials, processes
 from raydeck.stack.launchers import LAUNCHERS, Launcher, StackContext, process_env
@@ -330,13 +336,15 @@ class Stack:
         conn = connection.read(self._env)
         if conn is None:
             return []
-        mine = load_settings(env=self._env)
+        mine, origins = load_settings_with_origins(env=self._env)
         found = []
         if mine.ray_address != conn.ray_address:
             found.append(f"Ray address {mine.ray_address or '(auto)'} (RAYDECK_RAY_ADDRESS or "
                          "RAY_ADDRESS)")
         if mine.tracking.uri != conn.settings["tracking"]["uri"]:
-            found.append("RAYDECK_TRACKING_URI")
+            uri_origin = origins[TrackingSettings.env_name("uri")]
+            found.append(uri_origin if uri_origin == MLFLOW_TRACKING_URI_ENV
+                         else "RAYDECK_TRACKING_URI")
         if mine.storage.endpoint != conn.settings["storage"]["endpoint"]:
             found.append("RAYDECK_S3_ENDPOINT")
         return found
