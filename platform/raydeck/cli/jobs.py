@@ -152,9 +152,11 @@ def submit(
 
 def _enqueue(settings: Settings, server: JobServer, request: JobRequest, team: str,
              priority: int, estimate_s: float | None) -> None:
+    from raydeck.jobs import is_local_address
     from raydeck.scheduling.client import enqueue, job_spec
 
-    spec, package = job_spec(request, settings, team, priority, estimate_s)
+    spec, package = job_spec(request, settings, team, priority, estimate_s,
+                             head_is_local=is_local_address(server.address))
     view = enqueue(settings, server, spec, package)
     console.print(f"queued [bold]{view.id}[/] for team {view.team}, priority {view.priority}, "
                   f"expected {format_duration(view.estimate_s)}; see `raydeck queue`",
@@ -223,3 +225,16 @@ def jobs(
     if not views:
         err_console.print("no jobs yet")
     console.print(table)
+    from raydeck.scheduling.client import refused
+
+    never_started = refused(settings)
+    if never_started:
+        failed = Table(title="queued jobs that failed to start (`raydeck cancel` clears them)")
+        for column in ("job", "status", "submitted", "entrypoint", "reason"):
+            failed.add_column(column, overflow="fold")
+        for job in never_started:
+            submitted = datetime.datetime.fromtimestamp(job.submitted_at).strftime(
+                "%Y-%m-%d %H:%M:%S")
+            failed.add_row(escape(job.id), "FAILED", submitted, redact_text(job.entrypoint),
+                           escape(job.reason))
+        console.print(failed)

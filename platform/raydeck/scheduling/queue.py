@@ -17,6 +17,12 @@ run. A job still running ``PREEMPT_GRACE_S`` after being asked is stopped by the
 and requeued the same way (it loses the work since its last checkpoint), and so is a started
 job the job server no longer knows (the head restarted and the job died with it).
 
+A job whose submission fails is never retried in a loop that holds up the queue: a permanent
+failure (the job server refuses its runtime env or the job) fails that job with the reason,
+shown by ``raydeck queue``; a transient one (the job server down or busy) puts it back in its
+place to be tried again after a backoff (:mod:`raydeck.scheduling.failures`). Either way the
+jobs behind it start in the same tick.
+
 Resources a queued job may use are the smaller of what the cluster has free now (jobs started
 outside the queue count) and the total minus what the queue's active jobs hold (a job that has
 just started may not have claimed its resources yet); a job with a preset starts only when its
@@ -43,8 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from raydeck.errors import ConfigError, JobSubmissionError
+from raydeck.errors import ConfigError
 from raydeck.redaction import redact_text
+from raydeck.scheduling.failures import Backoff, classify
 from raydeck.scheduling.policies import (
     DEFAULT_AGING_S,
     Capacity,
@@ -69,6 +76,8 @@ PREDICTION_QUANTILE = 0.75
 DEFAULT_TEAM = "default"
 _TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")
 TERMINAL = {"SUCCEEDED": "succeeded", "FAILED": "failed", "STOPPED": "stopped"}
+# How long ``raydeck queue`` keeps showing a job the job server refused (it never started).
+REFUSED_SHOWN_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -138,7 +147,8 @@ class Launcher(abc.ABC):
     @abc.abstractmethod
     def submit(self, row: JobRow, package: bytes | None) -> None:
         """Start the job as ``row.submission_id``; a job with that id already there counts as
-        started."""
+        started. Raises what the job server's client raises (the queue classifies it with
+        :func:`~raydeck.scheduling.failures.classify`)."""
 
     @abc.abstractmethod
     def status(self, submission_id: str) -> str | None:
@@ -146,7 +156,8 @@ class Launcher(abc.ABC):
 
     @abc.abstractmethod
     def stop(self, submission_id: str) -> None:
-        """Stop a running job."""
+        """Stop a running job; raises as ``submit`` does (an HTTP 404: the job server never
+        got it)."""
 
     @abc.abstractmethod
     def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
@@ -185,11 +196,14 @@ class JobQueue:
     def __init__(self, store: Store, launcher: Launcher,
                  clock: Callable[[], float] = time.time,
                  observer: Observer | None = None,
-                 history: Callable[[str], list[float]] | None = None) -> None:
+                 history: Callable[[str], list[float]] | None = None,
+                 backoff: Backoff | None = None) -> None:
         """``history(key)``: how long earlier runs of the job with that key took, newest first
         (MLflow's: :func:`raydeck.scheduling.history.mlflow_durations`); the queue's own
-        record of the jobs it ran is used when it has none or fails."""
+        record of the jobs it ran is used when it has none or fails. ``backoff``: when a job
+        whose submission failed transiently is tried again."""
         self._store = store
+        self._backoff = backoff or Backoff()
         self._launcher = launcher
         self._history = history
         self._clock = clock
@@ -269,7 +283,8 @@ class JobQueue:
                      metadata_json=json.dumps(spec.metadata), package_uri=spec.package_uri,
                      estimate_s=estimate, state="queued", reason="",
                      submitted_at=self._clock(), started_at=None, ended_at=None, attempt=0,
-                     preemptions=0, checkpoint_at=None, preempt_at=None,
+                     preemptions=0, checkpoint_at=None, preempt_at=None, submit_failures=0,
+                     retry_at=None,
                      workers=spec.gang.workers if spec.gang else 0,
                      placement=spec.gang.strategy if spec.gang else "")
         if not self._store.add(row):
@@ -291,26 +306,39 @@ class JobQueue:
         return float(np.quantile(durations, PREDICTION_QUANTILE)) if durations else None
 
     def cancel(self, job_id: str) -> JobView:
-        """Take a queued job out, or stop a started one.
+        """Take a queued job out (one waiting to retry its submission too), stop a started one,
+        or clear one the job server refused from ``raydeck queue``.
 
         Raises:
-            ConfigError: no such job, or it has already ended.
+            ConfigError: no such job, it has already run and ended, or the job server cannot
+                stop it now (it is unreachable: the job keeps running; try again).
         """
         row = self._store.get(job_id)
         if row is None:
             raise ConfigError(f"no job {job_id!r} in the queue (`raydeck queue` lists them)")
-        if row.state not in ("queued", *ACTIVE):
+        if row.state not in ("queued", *ACTIVE) and not _refused(row):
             raise ConfigError(f"job {job_id} has already ended ({row.state})")
         if row.state in ACTIVE:
-            self._launcher.stop(row.submission_id)
-        self._store.update(job_id, state="cancelled", ended_at=self._clock(),
-                           reason="cancelled by raydeck cancel")
+            try:
+                self._launcher.stop(row.submission_id)
+            except Exception as exc:
+                failure = classify(exc)
+                # 404: the job server never got it (the queue stopped between recording and
+                # submitting it): there is nothing to stop.
+                if failure.http_status != 404:
+                    raise ConfigError(f"cannot stop job {job_id} now: {failure.reason}; it "
+                                      "keeps running, try again") from None
+        self._store.update(job_id, state="cancelled", ended_at=self._clock(), retry_at=None,
+                           reason="cancelled by raydeck cancel"
+                                  + (f" (it had failed: {row.reason})" if _refused(row) else ""))
         updated = self._store.get(job_id)
         assert updated is not None
         return JobView.of(updated)
 
     def listing(self) -> list[Entry]:
-        """Every job not ended, in start order, with why it waits and when it should start."""
+        """Every job not ended, in start order, with why it waits and when it should start;
+        then the jobs the job server refused in the last ``REFUSED_SHOWN_S`` (why: its
+        reason)."""
         now = self._clock()
         rows = {r.id: r for r in self._store.jobs("queued")}
         queued = [_queued(r) for r in rows.values()]
@@ -323,10 +351,14 @@ class JobQueue:
         entries = [Entry(JobView.of(r), None, r.started_at,
                          r.reason if r.state == "preempting" else r.state) for r in active]
         for position, job in enumerate(ordered, start=1):
-            why = self._why(job, ordered, running, free, claiming)
+            why = (rows[job.id].reason if rows[job.id].retry_at is not None  # retries later
+                   else self._why(job, ordered, running, free, claiming))
             if rows[job.id].preemptions:
                 why += f" (preempted {rows[job.id].preemptions}x; resumes from its checkpoint)"
             entries.append(Entry(JobView.of(rows[job.id]), position, predicted.get(job.id), why))
+        entries += [Entry(JobView.of(r), None, None, r.reason) for r in self._store.jobs("failed")
+                    if _refused(r) and r.ended_at is not None
+                    and now - r.ended_at < REFUSED_SHOWN_S]
         return entries
 
     def _why(self, job: QueuedJob, ordered: list[QueuedJob], running: list[RunningJob],
@@ -399,7 +431,12 @@ class JobQueue:
         """
         now = self._clock()
         for row in self._store.jobs(*ACTIVE):
-            self._reconcile(row, now)
+            try:
+                self._reconcile(row, now)
+            except Exception as exc:
+                # One job's status (the job server briefly unreachable) never holds up the
+                # others or what starts next: it is read again at the next tick.
+                logger.warning("cannot reconcile job %s now: %s", row.id, classify(exc).reason)
         try:
             return self._schedule(now)
         finally:
@@ -414,37 +451,49 @@ class JobQueue:
         checkpoint for the first job that still cannot start (jobs already stopping count as
         gone, so one waiting job never takes more victims than it needs). One read of the
         queue and of the cluster's resources per tick."""
-        queued = [_queued(r) for r in self._store.jobs("queued")]
+        # A job waiting out a transient submission failure is not a candidate until its time.
+        queued = [_queued(r) for r in self._store.jobs("queued")
+                  if r.retry_at is None or r.retry_at <= now]
         if not queued:
             return []
         active = self._store.jobs(*ACTIVE)
         running = [_running(r, now) for r in active]
         free, total = self._free(active)
         claiming = self._claiming(active, queued, now)
-        started = []
-        for job in self._policy.decide(queued, running, free, total, now):
-            if _held_back(job, claiming):
-                break  # Ray places the claiming jobs first; the rest starts at a later tick
-            chosen = self._store.get(job.id)
-            if chosen is None or chosen.state != "queued":
-                continue  # cancelled meanwhile
-            # Recorded before submitting: a queue that dies here resubmits under the same id,
-            # which the job server refuses if the first submission got through.
-            self._store.update(job.id, state="starting", started_at=now)
-            self._start(chosen)
-            self._observer.started(chosen, now)
-            started.append(job.id)
-            running.append(RunningJob(job, now))
-            claiming.append(job)
-            left = free.after(job)
-            assert left is not None, "the policy placed it on this same capacity"
-            free = left
+        started: list[str] = []
+        unstarted: set[str] = set()  # refused, or retried at a later tick
+        deciding = True
+        while deciding:
+            deciding = False
+            candidates = [j for j in queued if j.id not in started and j.id not in unstarted]
+            for job in self._policy.decide(candidates, running, free, total, now):
+                if _held_back(job, claiming):
+                    break  # Ray places the claiming jobs first; the rest starts at a later tick
+                chosen = self._store.get(job.id)
+                if chosen is None or chosen.state != "queued":
+                    continue  # cancelled meanwhile
+                # Recorded before submitting: a queue that dies here resubmits under the same
+                # id, which the job server refuses if the first submission got through.
+                self._store.update(job.id, state="starting", started_at=now)
+                if not self._start(chosen, now):
+                    # What it would have held is still free: the policy decides again without
+                    # it, so the jobs behind a bad one start in this same tick.
+                    unstarted.add(job.id)
+                    deciding = True
+                    break
+                self._observer.started(chosen, now)
+                started.append(job.id)
+                running.append(RunningJob(job, now))
+                claiming.append(job)
+                left = free.after(job)
+                assert left is not None, "the policy placed it on this same capacity"
+                free = left
         stopping = {r.id for r in active if r.state == "preempting"}
         pool = free.pool
         for row in active:
             if row.id in stopping:
                 pool = pool + Resources(row.cpus, row.gpus)
-        waiting = [job for job in queued if job.id not in started]
+        waiting = [job for job in queued if job.id not in started and job.id not in unstarted]
         decision = self._policy.preempt(
             waiting, [r for r in running if r.job.id not in stopping], pool, now)
         if decision is None:
@@ -459,20 +508,41 @@ class JobQueue:
             logger.info("preempting %s for %s", victim.job.id, decision.job.id)
         return started
 
-    def _start(self, row: JobRow) -> None:
+    def _start(self, row: JobRow, now: float) -> bool:
+        """Submit ``row`` (recorded ``starting``); whether it was. A failure is classified
+        (:func:`~raydeck.scheduling.failures.classify`) and recorded on this job alone: a
+        permanent one fails it with the reason, a transient one puts it back in the queue (its
+        place and submission id kept: a submission that did get through is refused as a
+        duplicate next time and counts as started) to be tried again after a backoff."""
         try:
             self._launcher.submit(row, self._store.package(row.package_uri)
                                   if row.package_uri else None)
-        except JobSubmissionError as exc:
-            # A permanent refusal (bad runtime env, entrypoint): set aside, never retried.
-            self._store.update(row.id, state="failed", ended_at=self._clock(), reason=str(exc))
-            logger.error("job %s was refused by the job server: %s", row.id, exc)
+        except Exception as exc:
+            failure = classify(exc)
+            if failure.permanent:
+                self._store.update(row.id, state="failed", started_at=None, ended_at=now,
+                                   retry_at=None, reason=f"not started: {failure.reason}")
+                logger.error("job %s was refused: %s", row.id, failure.reason)
+                return False
+            failures = row.submit_failures + 1
+            retry_at = now + self._backoff.delay_s(failures)
+            self._store.update(
+                row.id, state="queued", started_at=None, submit_failures=failures,
+                retry_at=retry_at,
+                reason=f"submission failed {failures}x ({failure.reason}); retried at "
+                       f"{time.strftime('%H:%M:%S', time.localtime(retry_at))}")
+            logger.warning("job %s: submission failed (%s); retrying in %.0f s", row.id,
+                           failure.reason, retry_at - now)
+            return False
+        if row.submit_failures or row.retry_at is not None:
+            self._store.update(row.id, submit_failures=0, retry_at=None, reason="")
+        return True
 
     def _reconcile(self, row: JobRow, now: float) -> None:
         status = self._launcher.status(row.submission_id)
         if status is None:
             if row.state == "starting":
-                self._start(row)  # the queue stopped between recording and submitting
+                self._start(row, now)  # the queue stopped between recording and submitting
             else:
                 # The job server forgot a job it ran: the head restarted (Ray keeps its jobs
                 # in the head's GCS) and the job died with it.
@@ -534,6 +604,11 @@ def _queued(row: JobRow) -> QueuedJob:
                  row.placement) if row.workers else None)
     return QueuedJob(row.id, row.team, row.priority, Resources(row.cpus, row.gpus),
                      row.submitted_at, row.estimate_s, gang)
+
+
+def _refused(row: JobRow) -> bool:
+    """A job that failed without ever starting (the job server refused its submission)."""
+    return row.state == "failed" and row.started_at is None
 
 
 def _strict(job: QueuedJob) -> bool:

@@ -53,7 +53,9 @@ class RayJobs(Launcher):
         except RuntimeError as exc:
             if "already exists" in str(exc):
                 return  # submitted before the queue restarted: started once, not twice
-            raise JobSubmissionError(str(exc).splitlines()[0][:300]) from None
+            # Anything else reaches the queue as Ray raised it: the queue classifies it
+            # (raydeck.scheduling.failures), the HTTP status in its text included.
+            raise
 
     def status(self, submission_id: str) -> str | None:
         try:
@@ -64,6 +66,7 @@ class RayJobs(Launcher):
             raise
 
     def stop(self, submission_id: str) -> None:
+        # A job the job server never got answers 404 (a RuntimeError): the queue decides.
         self._jobs().stop_job(submission_id)
 
     def placed(self, submission_id: str) -> bool:

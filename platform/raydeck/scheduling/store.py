@@ -69,6 +69,10 @@ class JobRow(_Base):
     # (0 workers: no gang, placed anywhere).
     workers: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     placement: Mapped[str] = mapped_column(String(16), default="", server_default="")
+    # A queued job whose submission failed transiently (the job server down or busy): its
+    # consecutive failures and when it is tried again (None: whenever the policy says).
+    submit_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    retry_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
     @property
     def submission_id(self) -> str:
