@@ -150,15 +150,19 @@ def s3_server(session_dir: Path) -> Iterator[S3Server]:
     server.stop()
 
 
-@pytest.fixture(scope="session")
-def prometheus(ray_cluster: None, session_dir: Path) -> Iterator[PrometheusServer]:
+@pytest.fixture(scope="module")
+def prometheus(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[PrometheusServer]:
     """A real Prometheus scraping the session's Ray, configured as `raydeck monitoring config`.
 
     Loads the committed alert rules, plus TrainingStalled with an 8 s floor instead of 15 min.
+    One per module that asks, stopped after it: each 1 s scrape makes Ray's agent render every
+    series the session's jobs left (about 15 % of a core, measured), which the rest of the suite
+    should not pay for.
     """
     import ray
 
     ray_session = Path(ray._private.worker._global_node.get_session_dir_path())
-    server = for_ray_session(session_dir / "prometheus", ray_session)
+    server = for_ray_session(tmp_path_factory.mktemp("prometheus"), ray_session)
     yield server
     server.stop()

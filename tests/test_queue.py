@@ -49,6 +49,7 @@ PRESETS = {
 REPO = Path(__file__).resolve().parents[1]
 TEAMS = {"a": {"cpus": 3}, "b": {"weight": 2}, "c": {}}
 CLI_TIMEOUT_S = 120
+QUEUE_SCRAPE_INTERVAL_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, raydeck_env: dict[str, str
     prometheus = None
     try:
         # Scraping from the start: the Queue dashboard's rates need the jobs' whole history.
-        prometheus = for_ray_session(root / "prometheus", head.temp_dir / "session_latest")
+        # Every 5 s: the module runs for minutes, and the dashboard's rates span 10 minutes.
+        prometheus = for_ray_session(root / "prometheus", head.temp_dir / "session_latest",
+                                     scrape_interval_s=QUEUE_SCRAPE_INTERVAL_S)
         yield Cluster(head, workdir, {**env, **head.client_env, "COLUMNS": "250",
                                       "RAYDECK_RAY_ADDRESS": head.gcs_address},
                       root / "runs.jsonl", prometheus)
