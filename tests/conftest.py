@@ -43,8 +43,9 @@ RAY_START_ATTEMPTS = 3
 CLUSTER_FIXTURES = frozenset({"ray_cluster"})
 
 # Modules that hold a pytest-xdist worker longest, heaviest first (docs/testing.md has the
-# measured table). ``--dist loadfile`` hands out whole modules in collection order, so these
-# start first and the light modules fill in around them; the rest keep their order.
+# measured table). Under xdist (``-n N --dist loadfile --no-loadscope-reorder``) whole modules
+# are handed out in collection order, so these start first and the light modules fill in
+# around them; in one process the order stays pytest's own.
 HEAVIEST_MODULES = (
     "test_queue.py",
     "test_sweeps.py",
@@ -69,12 +70,14 @@ os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark cluster tests ``slow``; order the heaviest modules first (stable otherwise)."""
+    """Mark cluster tests ``slow``; under xdist, order the heaviest modules first (stable
+    otherwise)."""
     for item in items:
         if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    rank = {name: index for index, name in enumerate(HEAVIEST_MODULES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        rank = {name: index for index, name in enumerate(HEAVIEST_MODULES)}
+        items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 @pytest.fixture(scope="session")
