@@ -345,16 +345,15 @@ def test_low_priority_jobs_are_preempted_at_a_checkpoint_and_resume_in_their_run
     it: the PyTorch digits job (``report_epoch`` says stop) and the Lightning one (raydeck's
     callback stops the trainer)."""
     _ok(cluster.cli("queue", "--policy", "priority"))
-    epochs = {"pre-low": 60, "pre-lit": 60}
-    # The Lightning job first, and the PyTorch job once it has committed a checkpoint: the
-    # Lightning job takes longer to start, and a PyTorch job started beside it ran through
-    # its 60 epochs before the Lightning job's first checkpoint (seen in a full run).
-    cluster.digits("pre-lit", "d3", "c", 0, epochs["pre-lit"], job="digits_lightning.py")
-    wait_until(lambda: _latest_epoch(mlflow_client, "pre-lit") >= 1, 300,
-               "the Lightning job to commit a checkpoint")
+    # Both start together, and each must still be running when the other has committed its
+    # first checkpoint: the Lightning job takes up to two minutes to start here, and a PyTorch
+    # job of 60 epochs once finished before that (seen in a full run), so the PyTorch job has
+    # 120.
+    epochs = {"pre-low": 120, "pre-lit": 40}
     cluster.digits("pre-low", "d3", "c", 0, epochs["pre-low"])
-    wait_until(lambda: _latest_epoch(mlflow_client, "pre-low") >= 1, 300,
-               "the PyTorch job to commit a checkpoint")
+    cluster.digits("pre-lit", "d3", "c", 0, epochs["pre-lit"], job="digits_lightning.py")
+    wait_until(lambda: all(_latest_epoch(mlflow_client, job) >= 1 for job in epochs), 300,
+               "both low-priority jobs to commit a checkpoint")
     cluster.digits("pre-high", "d8", "c", 5, 3)
     asked_at = time.time()
     # Any checkpoint a low job commits from now on may be the one it stops at.
