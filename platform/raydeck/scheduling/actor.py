@@ -101,6 +101,9 @@ class QueueActor:
     def preempted(self, job_id: str) -> tuple[bool, Any]:
         return self._call(lambda: self._queue.preempted(job_id))
 
+    def completed(self, job_id: str) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.completed(job_id))
+
 
 class QueueMetrics(Observer):
     """The queue's reports as Prometheus metrics (raydeck.observability.metrics ``QUEUE_*``)."""

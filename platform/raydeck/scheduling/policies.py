@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from raydeck.errors import ConfigError
@@ -192,13 +192,15 @@ class Capacity:
 class RunningJob:
     """A job that holds resources until it ends (expected: start + estimate).
 
-    ``checkpoint_s`` is when it last committed a checkpoint the queue knows of (None: never,
-    so it cannot be preempted: it would have nothing to resume from).
+    ``checkpoint_s`` is when it last committed a checkpoint in this attempt the queue knows of
+    (None: none yet, so it cannot be preempted: it would have nothing new to resume from);
+    ``resumed``: it was preempted before (:mod:`raydeck.scheduling.preemption_rules`).
     """
 
     job: QueuedJob
     started_s: float
     checkpoint_s: float | None = None
+    resumed: bool = False
 
     @property
     def expected_end_s(self) -> float:
@@ -267,11 +269,17 @@ class Policy(abc.ABC):
         return started
 
     def preempt(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
-                free: Resources, now: float) -> Preemption | None:
+                free: Resources, now: float,
+                can_stop: Callable[[RunningJob], bool] | None = None) -> Preemption | None:
         """Running jobs to stop at their next checkpoint so that the first queued job (in this
         policy's order, within its quota) can start: jobs of lower priority that have a
         checkpoint, lowest priority first and, among equals, the one that loses least work
         (the most recent checkpoint). None unless stopping them makes the job fit.
+
+        ``can_stop`` says which running jobs may be victims (default: those with a
+        checkpoint); the queue and the simulator pass
+        :func:`raydeck.scheduling.preemption_rules.preemptible`, which also keeps a job just
+        restarted from being stopped again.
 
         ``running`` and ``free`` leave out (and count as free) jobs already stopping. Counted
         in totals: which nodes a victim frees is not known, so a gang that would still not be
@@ -282,7 +290,8 @@ class Policy(abc.ABC):
         if head is None or free.fits(head.needs):
             return None
         candidates = sorted(
-            (r for r in running if r.checkpoint_s is not None and r.job.priority < head.priority),
+            (r for r in running if r.job.priority < head.priority
+             and (r.checkpoint_s is not None if can_stop is None else can_stop(r))),
             key=lambda r: (r.job.priority, now - (r.checkpoint_s or now), r.job.id))
         victims: list[RunningJob] = []
         for candidate in candidates:

@@ -6,10 +6,16 @@ queue starts it), :func:`checkpoint_committed` (every rank calls it after a comm
 checkpoint; rank 0 tells the queue and every rank gets rank 0's answer, so all ranks stop at the
 same epoch), :func:`stop_requested` (that answer, for the training loop) and
 :func:`end_if_preempted` (the driver, once training returned: record the preemption on the run,
-end it KILLED and raise, so the job exits unfinished and the queue starts it again).
+end it KILLED and raise, so the job exits unfinished and the queue starts it again; or tell the
+queue that training ran to its end).
 
 Contract: a job the queue did not start makes no call and is never asked to stop. A queue that
-cannot be reached answers "go on" (logged): a queue outage never stops training.
+cannot be reached answers "go on" (logged): a queue outage never stops training. The handshake
+is durable: the queue records "told to stop" before its answer leaves it, and a rank told to
+stop records it in the cluster's key-value store (the Ray job's own key) before it stops, so the
+driver raises :class:`~raydeck.errors.JobPreemptedError` (exit 75) whenever its workers stopped
+for the queue, even when its own call to the queue fails or times out; the queue, for its part,
+takes a job it told to stop that still exits 0 without calling ``completed`` as preempted.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ logger = logging.getLogger(__name__)
 
 QUEUE_JOB_ENV = "RAYDECK_QUEUE_JOB"
 QUEUE_CALL_TIMEOUT_S = 10.0
+# Where a rank told to stop leaves word for its driver: key ``<prefix><Ray job id>``.
+KV_NAMESPACE = "raydeck"
+STOPPED_KEY_PREFIX = "preempted:"
 # A preempted job's exit status (EX_TEMPFAIL: try again later), so it is not mistaken for done.
 PREEMPTED_EXIT_CODE = 75
 # On the run of a preempted job: how many times, and where each stopped.
@@ -43,7 +52,13 @@ def queue_job_id() -> str | None:
 
 
 def _ask(method: str, job_id: str) -> Any:
-    """Call the queue actor; None when it cannot be reached."""
+    """Call the queue actor; None when it cannot be reached (or refuses)."""
+    return _call(method, job_id)[1]
+
+
+def _call(method: str, job_id: str) -> tuple[bool, Any]:
+    """Call the queue actor: ``(True, its answer)``, or ``(False, None)`` when it cannot be
+    reached in ``QUEUE_CALL_TIMEOUT_S`` or refuses."""
     global _handle
     import ray
 
@@ -57,9 +72,9 @@ def _ask(method: str, job_id: str) -> Any:
                             timeout=QUEUE_CALL_TIMEOUT_S)
     except Exception as exc:
         _handle = None
-        logger.warning("the job queue did not answer (%s); training goes on", exc)
-        return None
-    return value if ok else None
+        logger.warning("the job queue did not answer %s (%s); training goes on", method, exc)
+        return False, None
+    return (True, value) if ok else (False, None)
 
 
 def checkpoint_committed(rank: int) -> bool:
@@ -74,6 +89,8 @@ def checkpoint_committed(rank: int) -> bool:
     answer = bool(_ask("checkpointed", job_id)) if rank == 0 else False
     _stop_requested = _agree(answer)
     if _stop_requested:
+        if rank == 0:
+            _record_stop()
         logger.warning("job %s is preempted by the queue: stopping at this checkpoint", job_id)
     return _stop_requested
 
@@ -85,24 +102,63 @@ def stop_requested() -> bool:
 
 def end_if_preempted(tracker: Tracker, result: Any) -> None:
     """After Ray Train returned in a queued job's driver: if its workers stopped because the
-    queue asked them to, tag the run (``raydeck.preemptions``, ``raydeck.preemption.<N>``),
-    end it KILLED (the next attempt marks it running again) and raise. A job that finished
-    before any rank was told goes on as finished.
+    queue asked them to (their word in the key-value store, or the queue's confirmation:
+    either suffices), tag the run (``raydeck.preemptions``, ``raydeck.preemption.<N>`` when
+    the queue confirms which preemption it was), end it KILLED (the next attempt marks it running
+    again) and raise. A job that finished before any rank was told goes on as finished, and
+    the queue is told so (``completed``) when it answered.
 
     Raises:
         JobPreemptedError: the job stopped at a checkpoint for the queue.
     """
     job_id = queue_job_id()
-    number = _ask("preempted", job_id) if job_id is not None else None
-    if number is None:
+    if job_id is None:
+        return
+    answered, number = _call("preempted", job_id)
+    if number is None and not _workers_stopped():
+        if answered:
+            _call("completed", job_id)
         return
     epoch = (result.metrics or {}).get("epoch")
     where = f"stopped after epoch {epoch}" if epoch is not None else "stopped at a checkpoint"
-    tracker.set_tags({PREEMPTIONS_TAG: number, f"{PREEMPTION_TAG_PREFIX}{number}": where},
-                     strict=False)
+    if number is None:
+        logger.warning("job %s: its workers stopped for the queue, which did not confirm it "
+                       "(the run is not tagged with the preemption's number)", job_id)
+    else:
+        tracker.set_tags({PREEMPTIONS_TAG: number, f"{PREEMPTION_TAG_PREFIX}{number}": where},
+                         strict=False)
     tracker.finish("KILLED")
     raise JobPreemptedError(f"job {job_id}: preempted by the queue ({where}, preemption "
-                            f"{number}); it resumes from that checkpoint in run {tracker.run_id}")
+                            f"{number or '(unconfirmed)'}); it resumes from that checkpoint in "
+                            f"run {tracker.run_id}")
+
+
+def _stopped_key() -> str:
+    import ray
+
+    return f"{STOPPED_KEY_PREFIX}{ray.get_runtime_context().get_job_id()}"
+
+
+def _record_stop() -> None:
+    """On rank 0, told to stop: leave word for the driver (same Ray job) that its workers
+    stop for the queue. Logged, not raised, when it cannot: the queue's record still holds."""
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    try:
+        _internal_kv_put(_stopped_key(), b"1", overwrite=True, namespace=KV_NAMESPACE)
+    except Exception as exc:
+        logger.warning("could not record the preemption for the driver (%s)", exc)
+
+
+def _workers_stopped() -> bool:
+    """In the driver: whether a rank of this Ray job recorded that it stopped for the queue."""
+    from ray.experimental.internal_kv import _internal_kv_exists
+
+    try:
+        return bool(_internal_kv_exists(_stopped_key(), namespace=KV_NAMESPACE))
+    except Exception as exc:
+        logger.warning("cannot read whether the workers stopped for the queue (%s)", exc)
+        return False
 
 
 def _agree(value: bool) -> bool:

@@ -11,9 +11,12 @@ job's side of preemption (:mod:`raydeck.scheduling.preemption`).
 Preemption: when the policy names victims for a job that cannot start, each becomes
 ``preempting``; the job learns it when it next commits a checkpoint
 (:mod:`raydeck.scheduling.preemption`), stops there and exits; the queue puts it back in the
-queue (its place kept: same submission time) and later starts it again as a new job-server
-job (``<id>-r<N>``) with the same MLflow run id, so it resumes from that checkpoint in its
-run. A job still running ``PREEMPT_GRACE_S`` after being asked is stopped by the job server
+queue (same submission time, but behind the job it was stopped for, and not stopped again
+before it commits a new checkpoint: :mod:`raydeck.scheduling.preemption_rules`) and later
+starts it again as a new job-server job (``<id>-r<N>``) with the same MLflow run id, so it
+resumes from that checkpoint in its run. A job told to stop that still ends SUCCEEDED without
+its driver saying training ran to its end (:meth:`JobQueue.completed`) is requeued the same
+way. A job still running ``PREEMPT_GRACE_S`` after being asked is stopped by the job server
 and requeued the same way (it loses the work since its last checkpoint), and so is a started
 job the job server no longer knows (the head restarted and the job died with it).
 
@@ -51,6 +54,7 @@ import numpy as np
 
 from raydeck.errors import ConfigError
 from raydeck.redaction import redact_text
+from raydeck.scheduling import preemption_rules as rules
 from raydeck.scheduling.failures import Backoff, classify
 from raydeck.scheduling.policies import (
     DEFAULT_AGING_S,
@@ -351,8 +355,13 @@ class JobQueue:
         entries = [Entry(JobView.of(r), None, r.started_at,
                          r.reason if r.state == "preempting" else r.state) for r in active]
         for position, job in enumerate(ordered, start=1):
-            why = (rows[job.id].reason if rows[job.id].retry_at is not None  # retries later
-                   else self._why(job, ordered, running, free, claiming))
+            row = rows[job.id]
+            if row.retry_at is not None:  # retries later
+                why = row.reason
+            elif row.preempted_for in rows:
+                why = f"waits for {row.preempted_for} to start (it was preempted for it)"
+            else:
+                why = self._why(job, ordered, running, free, claiming)
             if rows[job.id].preemptions:
                 why += f" (preempted {rows[job.id].preemptions}x; resumes from its checkpoint)"
             entries.append(Entry(JobView.of(rows[job.id]), position, predicted.get(job.id), why))
@@ -418,9 +427,14 @@ class JobQueue:
         checkpoint it committed after being asked. None if it was not (it may have finished
         first)."""
         row = self._store.get(job_id)
-        told = (row is not None and row.state == "preempting" and row.preempt_at is not None
-                and row.checkpoint_at is not None and row.checkpoint_at >= row.preempt_at)
-        return row.preemptions + 1 if told and row is not None else None
+        return row.preemptions + 1 if row is not None and _told(row) else None
+
+    def completed(self, job_id: str) -> None:
+        """The job's driver saw training run to its end (not stopped for the queue): a job
+        that was told to stop and still ends SUCCEEDED is requeued unless it said this."""
+        row = self._store.get(job_id)
+        if row is not None and row.state in ACTIVE:
+            self._store.update(job_id, completed_at=self._clock())
 
     # --- the loop ----------------------------------------------------------------------------
     def tick(self) -> list[str]:
@@ -452,11 +466,14 @@ class JobQueue:
         gone, so one waiting job never takes more victims than it needs). One read of the
         queue and of the cluster's resources per tick."""
         # A job waiting out a transient submission failure is not a candidate until its time.
-        queued = [_queued(r) for r in self._store.jobs("queued")
-                  if r.retry_at is None or r.retry_at <= now]
+        queued_rows = self._store.jobs("queued")
+        queued = [_queued(r) for r in queued_rows if r.retry_at is None or r.retry_at <= now]
         if not queued:
             return []
         active = self._store.jobs(*ACTIVE)
+        # Victims stay behind the job they were preempted for while it is queued.
+        preempted_for = rules.held_back({r.id: r.preempted_for for r in [*queued_rows, *active]},
+                                        {r.id for r in queued_rows})
         running = [_running(r, now) for r in active]
         free, total = self._free(active)
         claiming = self._claiming(active, queued, now)
@@ -466,7 +483,8 @@ class JobQueue:
         while deciding:
             deciding = False
             candidates = [j for j in queued if j.id not in started and j.id not in unstarted]
-            for job in self._policy.decide(candidates, running, free, total, now):
+            for job in rules.decide(self._policy, candidates, running, free, total, now,
+                                    preempted_for):
                 if _held_back(job, claiming):
                     break  # Ray places the claiming jobs first; the rest starts at a later tick
                 chosen = self._store.get(job.id)
@@ -474,7 +492,7 @@ class JobQueue:
                     continue  # cancelled meanwhile
                 # Recorded before submitting: a queue that dies here resubmits under the same
                 # id, which the job server refuses if the first submission got through.
-                self._store.update(job.id, state="starting", started_at=now)
+                self._store.update(job.id, state="starting", started_at=now, preempted_for="")
                 if not self._start(chosen, now):
                     # What it would have held is still free: the policy decides again without
                     # it, so the jobs behind a bad one start in this same tick.
@@ -494,12 +512,13 @@ class JobQueue:
             if row.id in stopping:
                 pool = pool + Resources(row.cpus, row.gpus)
         waiting = [job for job in queued if job.id not in started and job.id not in unstarted]
-        decision = self._policy.preempt(
-            waiting, [r for r in running if r.job.id not in stopping], pool, now)
+        decision = rules.preempt(self._policy, [j for j in waiting if j.id not in preempted_for],
+                                 [r for r in running if r.job.id not in stopping], pool, now)
         if decision is None:
             return started
         for victim in decision.victims:
             self._store.update(victim.job.id, state="preempting", preempt_at=now,
+                               preempted_for=decision.job.id,
                                reason=f"preempted for {decision.job.id} (priority "
                                       f"{decision.job.priority}): stops at its next checkpoint")
             asked = self._store.get(victim.job.id)
@@ -548,8 +567,11 @@ class JobQueue:
                 # in the head's GCS) and the job died with it.
                 self._requeue(row, now, "lost when the cluster's head restarted")
             return
-        if row.state == "preempting" and status in TERMINAL and status != "SUCCEEDED":
-            # Stopped at its checkpoint (or by the job server after the grace period).
+        if row.state == "preempting" and status in TERMINAL and (
+                status != "SUCCEEDED" or (_told(row) and row.completed_at is None)):
+            # Stopped at its checkpoint (or by the job server after the grace period). A job
+            # told to stop whose driver still exited 0 without saying training ran to its end
+            # stopped there too: its run resumes rather than being taken as finished.
             self._requeue(row, now, "preempted", preempted=True)
             return
         if row.state == "preempting" and row.preempt_at is not None \
@@ -571,7 +593,8 @@ class JobQueue:
         checkpoint in its MLflow run."""
         self._store.update(row.id, state="queued", attempt=row.attempt + 1,
                            preemptions=row.preemptions + int(preempted), started_at=None,
-                           preempt_at=None, reason=f"{why}; resumes from its checkpoint")
+                           preempt_at=None, checkpoint_at=None, completed_at=None,
+                           reason=f"{why}; resumes from its checkpoint")
         self._policy.ended(_running(row, now), now)
         logger.info("job %s is back in the queue: %s", row.id, why)
 
@@ -623,7 +646,15 @@ def _held_back(job: QueuedJob, claiming: list[QueuedJob]) -> bool:
 
 
 def _running(row: JobRow, now: float) -> RunningJob:
-    return RunningJob(_queued(row), row.started_at or now, row.checkpoint_at)
+    return RunningJob(_queued(row), row.started_at or now, row.checkpoint_at,
+                      resumed=row.preemptions > 0)
+
+
+def _told(row: JobRow) -> bool:
+    """Whether ``row`` was told to stop: asked (``preempting``), then it committed a
+    checkpoint, where the queue's answer was recorded before the job got it."""
+    return (row.state == "preempting" and row.preempt_at is not None
+            and row.checkpoint_at is not None and row.checkpoint_at >= row.preempt_at)
 
 
 def _fresh(policy: Policy) -> Policy:

@@ -16,9 +16,10 @@ work between two of the job's checkpoints (empty: it never checkpoints, so it is
 preempted). Export your cluster's history in this form to replay it (``raydeck jobs`` or Ray's
 job API give submit, start and end times).
 
-Preemption as the queue does it: when the policy's first waiting job does not fit, the policy
-names victims (:meth:`Policy.preempt`); each stops at its next checkpoint, losing no work, goes
-back to the queue in its place (same submission time) and later runs what it had left.
+Preemption as the queue does it, with the same rules (:mod:`raydeck.scheduling.preemption_rules`):
+when the policy's first waiting job does not fit, the policy names victims among the jobs that
+may be stopped; each stops at its next checkpoint, losing no work, goes back to the queue (same
+submission time, behind the job it was stopped for) and later runs what it had left.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from raydeck.errors import ConfigError
+from raydeck.scheduling import preemption_rules as rules
 from raydeck.scheduling.policies import Capacity, Policy, QueuedJob, Resources, RunningJob
 
 COLUMNS = ("id", "submit_s", "duration_s", "cpus", "gpus", "team", "priority", "estimate_s",
@@ -250,6 +252,7 @@ class _Replay:
         self.ends: list[tuple[float, str]] = []
         self.end_at: dict[str, float] = {}
         self.stopping: set[str] = set()
+        self.preempted_for: dict[str, str] = {}  # victim -> the job it was stopped for
         self.pieces: dict[str, list[tuple[float, float]]] = {}
 
     def run(self, arrivals: list[TraceJob]) -> list[Scheduled]:
@@ -271,8 +274,10 @@ class _Replay:
             if not self.queue:
                 continue
             running = [self._view(r, now) for r in self.running.values()]
-            for chosen in self.policy.decide(self.queue, running, Capacity(self.free),
-                                             self.capacity, now):
+            self.preempted_for = rules.held_back(self.preempted_for,
+                                                 {job.id for job in self.queue})
+            for chosen in rules.decide(self.policy, self.queue, running, Capacity(self.free),
+                                       self.capacity, now, self.preempted_for):
                 self.queue.remove(chosen)
                 self._start(chosen, now)
             self._preempt(now)
@@ -283,7 +288,7 @@ class _Replay:
         return [Scheduled(job, tuple(self.pieces[job.id])) for job in self.jobs.values()]
 
     def _start(self, job: QueuedJob, now: float) -> None:
-        self.running[job.id] = RunningJob(job, now)
+        self.running[job.id] = RunningJob(job, now, resumed=job.id in self.pieces)
         self.free = self.free - job.needs
         self._end_at(job.id, now + self.jobs[job.id].duration_s - self.done_before.get(job.id, 0))
 
@@ -316,14 +321,15 @@ class _Replay:
         return done, math.floor(done / every + 1e-9) * every, every
 
     def _view(self, piece: RunningJob, now: float) -> RunningJob:
-        """``piece`` with when it last committed a checkpoint (None: none yet, or it has just
-        started this piece: stopping it now would gain nothing, and would loop)."""
+        """``piece`` with when it last committed a checkpoint in this piece (None: none yet;
+        the one it resumed from does not count)."""
         checkpoints = self._checkpoints(piece, now)
-        if checkpoints is None or now <= piece.started_s:
+        if checkpoints is None:
             return piece
         done, committed, _ = checkpoints
+        new = committed > self.done_before.get(piece.job.id, 0.0) + 1e-9
         return RunningJob(piece.job, piece.started_s,
-                          now - (done - committed) if committed > 0 else None)
+                          now - (done - committed) if new else None, piece.resumed)
 
     def _preempt(self, now: float) -> None:
         """Ask the policy's victims to stop at their next checkpoint (jobs already stopping
@@ -335,10 +341,13 @@ class _Replay:
             pool = pool + self.running[job_id].job.needs
         others = [self._view(r, now) for r in self.running.values()
                   if r.job.id not in self.stopping]
-        decision = self.policy.preempt(self.queue, others, pool, now)
+        decision = rules.preempt(self.policy, [job for job in self.queue
+                                               if job.id not in self.preempted_for],
+                                 others, pool, now)
         if decision is None:
             self._wake_at_next_checkpoint(others, now)
-        for victim in decision.victims if decision else ():
+            return
+        for victim in decision.victims:
             checkpoints = self._checkpoints(victim, now)
             assert checkpoints is not None, "the policy takes only jobs with a checkpoint"
             done, committed, every = checkpoints
@@ -346,6 +355,7 @@ class _Replay:
             stop = now + (committed if done - committed < 1e-9 else committed + every) - done
             if stop < self.end_at[victim.job.id]:
                 self.stopping.add(victim.job.id)
+                self.preempted_for[victim.job.id] = decision.job.id
                 self._end_at(victim.job.id, stop)
 
     def _wake_at_next_checkpoint(self, running: list[RunningJob], now: float) -> None:

@@ -63,8 +63,15 @@ class JobRow(_Base):
     # Each start after a preemption is a new job on the job server (its ids are never reused).
     attempt: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     preemptions: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # The last checkpoint committed in the current attempt (None: none yet).
     checkpoint_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     preempt_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The job this one was last preempted for: it does not start again while that one is
+    # queued (:mod:`raydeck.scheduling.preemption_rules`); "" when it never was.
+    preempted_for: Mapped[str] = mapped_column(String(160), default="", server_default="")
+    # When the current attempt's driver reported that training ran to its end (a job told to
+    # stop that ends SUCCEEDED without it is taken as preempted).
+    completed_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     # The gang: ``workers`` bundles of (cpus, gpus) / workers placed under ``placement``
     # (0 workers: no gang, placed anywhere).
     workers: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -197,7 +204,6 @@ class Store:
                 session.add(SettingRow(name=name, value=json.dumps(value)))
             else:
                 row.value = json.dumps(value)
-
 
 
 def _add_new_columns(engine: Engine) -> None:
