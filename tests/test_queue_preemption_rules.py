@@ -111,6 +111,19 @@ def test_the_high_job_starts_in_the_room_its_victim_frees_and_the_victim_then_re
     assert (b.state, b.preemptions) == ("starting", 1)
 
 
+def test_a_victim_waits_while_the_job_it_was_stopped_for_cannot_start_yet(
+        tmp_path: Path) -> None:
+    queue, server, clock = _setup(tmp_path, "fifo")
+    server.jobs["outside"], server.cpus["outside"] = "RUNNING", 1.0  # not the queue's job
+    clock[0] += 60
+    assert queue.checkpointed("B") is True
+    server.exit("B", 75)
+    assert queue.tick() == []  # 3 CPUs free: H waits, and B (listed) waits for H
+    assert _row(queue, "B").why.startswith("waits for H to start (it was preempted for it)")
+    server.exit("outside", 0)
+    assert queue.tick() == ["H"]
+
+
 @pytest.mark.parametrize("policy", ALL_POLICIES)
 def test_a_resumed_victim_is_not_preempted_again_without_a_new_checkpoint_and_a_minimum_run(
         tmp_path: Path, policy: str) -> None:
