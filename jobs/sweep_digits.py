@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from raydeck.examples.digits import digits_sweep_job
@@ -25,13 +26,14 @@ SPACE = Path(__file__).with_name("sweep_digits.yaml")
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--name", default="digits-sweep")
+    # `raydeck submit` passes its preset and run name as RAYDECK_PRESET and RAYDECK_RUN_NAME.
+    parser.add_argument("--name", default=os.environ.get("RAYDECK_RUN_NAME") or "digits-sweep")
     parser.add_argument("--num-samples", type=int, default=16)
     parser.add_argument("--max-t", type=int, default=8)
     parser.add_argument("--grace-period", type=int, default=1)
     parser.add_argument("--reduction-factor", type=float, default=2.0)
     parser.add_argument("--scheduler", default="asha", choices=["asha", "fifo", "pbt"])
-    parser.add_argument("--preset", default="cpu-1")
+    parser.add_argument("--preset", default=os.environ.get("RAYDECK_PRESET") or "cpu-1")
     parser.add_argument("--register-as", default="digits-classifier")
     parser.add_argument("--resume", action="store_true")
     args = parser.parse_args()

@@ -66,6 +66,13 @@ AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 DEFAULT_TOKEN_PATH = Path(".ray/auth_token")  # in the home directory
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 RUN_ID_ENV = "RAYDECK_RUN_ID"
+# The job contract (``raydeck submit --help``): a job is ``python JOB ARGS...`` with ARGS exactly
+# as given after ``--``; the preset and run name reach it in these variables, so any script runs.
+PRESET_ENV = "RAYDECK_PRESET"
+RUN_NAME_ENV = "RAYDECK_RUN_NAME"
+# Options a job reads from PRESET_ENV / RUN_NAME_ENV when it also takes them on its command line
+# (the repository's jobs do): given to `raydeck submit` and again after `--` they would disagree.
+CONTRACT_OPTIONS = {"--preset": "preset", "--run-name": "run_name"}
 METADATA_RUN_ID = "raydeck_run_id"
 METADATA_PRESET = "raydeck_preset"
 METADATA_KIND = "raydeck_kind"
@@ -401,10 +408,11 @@ def probe(client: JobSubmissionClient, runtime_env: dict[str, Any], *,
 class JobRequest:
     """A job file to run on the cluster, and how.
 
-    ``job_file`` is relative to the working dir and takes ``--preset`` and ``--run-name`` (see
-    ``raydeck.examples.digits.job_arguments``); ``args`` are passed after them. ``run_id`` is
-    the MLflow run the job writes to (``RAYDECK_RUN_ID``): a new id for a new run, or the id of a
-    run to resume.
+    The job contract: the entrypoint is ``python JOB_FILE ARGS...`` with ``args`` exactly as
+    given (``job_file`` is relative to the working dir); the preset, run name and run id reach
+    the job as ``RAYDECK_PRESET``, ``RAYDECK_RUN_NAME`` and ``RAYDECK_RUN_ID`` in its runtime
+    env (:func:`submitted_runtime_env`), so a script needs no particular options. ``run_id`` is
+    the MLflow run the job writes to: a new id for a new run, or the id of a run to resume.
     """
 
     job_file: str
@@ -416,8 +424,7 @@ class JobRequest:
 
     @property
     def entrypoint(self) -> str:
-        return shlex.join(["python", self.job_file, "--preset", self.preset,
-                           "--run-name", self.run_name, *self.args])
+        return shlex.join(["python", self.job_file, *self.args])
 
     @property
     def submission_id(self) -> str:
@@ -454,10 +461,31 @@ def check_job_file(job_file: str, runtime_env: Mapping[str, Any]) -> None:
                           f"{working_dir}; pass it relative to that directory")
 
 
+def contract_conflicts(args: tuple[str, ...] | list[str], **given: str | None) -> list[str]:
+    """The job's ``args`` that repeat an option of the job contract given to ``raydeck submit``.
+
+    ``given`` maps ``preset`` / ``run_name`` to the value submit was given explicitly (``None``:
+    not given). Returns one message per repeated option, naming both values; empty when none.
+    """
+    conflicts = []
+    for index, arg in enumerate(args):
+        option, sep, value = arg.partition("=")
+        field = CONTRACT_OPTIONS.get(option)
+        if field is None or given.get(field) is None:
+            continue
+        if not sep:
+            value = args[index + 1] if index + 1 < len(args) else ""
+        conflicts.append(f"{option} given twice: {option} {given[field]} to raydeck submit and "
+                         f"{option} {value} after `--` for the job")
+    return conflicts
+
+
 def submitted_runtime_env(request: JobRequest) -> dict[str, Any]:
-    """The runtime env a job is submitted with: the request's, plus its run id and job key."""
+    """The runtime env a job is submitted with: the request's, plus the job contract's
+    variables (preset, run name, run id) and its job key."""
     runtime_env = dict(request.runtime_env)
-    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), RUN_ID_ENV: request.run_id,
+    runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), PRESET_ENV: request.preset,
+                               RUN_NAME_ENV: request.run_name, RUN_ID_ENV: request.run_id,
                                JOB_DIGEST_ENV: request.digest}
     return runtime_env
 

@@ -19,13 +19,21 @@ from raydeck.cli._console import console, err_console
 app = typer.Typer(help="Render, push and check raydeck's Grafana dashboards and alert rules.",
                   no_args_is_help=True)
 
-DEFAULT_DIR = Path("dashboards")
+DEFAULT_DIR = Path("dashboards")  # here, else the copy installed with raydeck
 DEFAULT_PROMETHEUS_URL = "http://127.0.0.1:9090"
 EXIT_CHECK_FAILED = 1
 _STATUS_STYLE = {"data": "green", "expected empty": "yellow", "no data": "red", "error": "red"}
 
-DirOption = typer.Option(DEFAULT_DIR, "--dir",
-                         help="Folder holding the definitions (*.py, alerts/rules.py).")
+DirOption = typer.Option(None, "--dir", show_default=False,
+                         help=f"Folder holding the definitions (*.py, alerts/rules.py). Default: "
+                              f"{DEFAULT_DIR} in this directory if it exists, else the copy "
+                              "installed with raydeck.")
+
+
+def _directory(given: Path | None) -> Path:
+    from raydeck._internal.data_files import default_path
+
+    return given or default_path(DEFAULT_DIR)
 
 
 @app.command("render")
@@ -35,8 +43,14 @@ def render(
                                help="Write nothing; exit 1 if the committed files are stale."),
 ) -> None:
     """Regenerate the dashboards' JSON, the alert rules and the provisioning files."""
+    from raydeck._internal.data_files import is_packaged
+    from raydeck.errors import ConfigError
     from raydeck.observability.dashboards import render as render_files
 
+    directory = _directory(directory)
+    if not check and is_packaged(directory):
+        raise ConfigError(f"{DEFAULT_DIR} is not in this directory, and the copy installed with "
+                          f"raydeck ({directory}) is not to be written: pass --dir (or --check)")
     stale = render_files(directory, write=not check)
     if not stale:
         console.print(f"{directory}: rendered files are up to date")
@@ -74,7 +88,7 @@ def push(
     if not url:
         raise ConfigError("no Grafana URL: pass --url or set GRAFANA_URL (e.g. "
                           "http://grafana:3000)")
-    rendered = [d.render() for d in load_dashboards(directory)]
+    rendered = [d.render() for d in load_dashboards(_directory(directory))]
     with console.status("pushing to Grafana..."):
         result = push_all(url, Secret(token), rendered, prometheus_url=datasource_url,
                           ray=ray_dashboards() if ray else None)
@@ -110,7 +124,7 @@ def check(
         if not sep or not name:
             raise ConfigError(f"--var {item!r}: must be name=value, e.g. run=digits.*")
         values[name] = value
-    dashboards = load_dashboards(directory)
+    dashboards = load_dashboards(_directory(directory))
     unknown = sorted(set(uids) - {d.uid for d in dashboards})
     if unknown:
         raise ConfigError(f"--dashboard {', '.join(unknown)}: no such uid; the dashboards are "

@@ -14,10 +14,13 @@ from rich.table import Table
 from raydeck.cli._console import console, err_console, format_duration, setup_logging
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from raydeck.config import Settings
     from raydeck.jobs import JobRequest, JobServer
 
 DEFAULT_RUNTIME_ENV = "runtime_envs/local.yaml"
+DEFAULT_PRESET = "cpu-2"
 EXIT_JOB_FAILED = 1
 
 
@@ -25,15 +28,20 @@ def submit(
     ctx: typer.Context,
     job_file: str = typer.Argument(..., help="Job file, relative to the working dir "
                                              "(e.g. jobs/digits_torch.py)."),
-    preset: str = typer.Option("cpu-2", help="Scaling preset (`raydeck presets`)."),
-    runtime_env: str = typer.Option(DEFAULT_RUNTIME_ENV, "--runtime-env",
-                                    help="Runtime env YAML (runtime_envs/*.yaml)."),
+    preset: str = typer.Option(None, show_default=False,
+                               help=f"Scaling preset (`raydeck presets`); the job reads it from "
+                                    f"RAYDECK_PRESET. Default: {DEFAULT_PRESET}."),
+    runtime_env: str = typer.Option(None, "--runtime-env", show_default=False,
+                                    help=f"Runtime env YAML (runtime_envs/*.yaml). Default: "
+                                         f"{DEFAULT_RUNTIME_ENV} in this directory if it exists, "
+                                         "else the copy installed with raydeck."),
     address: str = typer.Option(None, help="Job server URL, http://host:8265, or a Ray Client "
                                 "address ray://host:10001. Default: RAY_API_SERVER_ADDRESS, "
                                 "else RAY_ADDRESS or RAYDECK_RAY_ADDRESS in any of Ray's forms "
                                 "(a GCS address host:6379 leads to its dashboard), else the "
                                 "running stack's, else http://127.0.0.1:8265."),
-    run_name: str = typer.Option(None, help="MLflow run name (default: the job file's name)."),
+    run_name: str = typer.Option(None, help="MLflow run name; the job reads it from "
+                                 "RAYDECK_RUN_NAME (default: the job file's name)."),
     run_id: str = typer.Option(None, help="Run id to resume or join (default: a new run)."),
     wait: bool = typer.Option(True, help="Stream the job's log until it ends."),
     check: bool = typer.Option(True, help="Run the preflight probe (the cluster's Python can "
@@ -51,22 +59,33 @@ def submit(
     estimate: str = typer.Option(None, help="With --queue: expected duration, e.g. 30m, 2h, "
                                  "for a job never run before (earlier runs of the same job in "
                                  "MLflow predict it otherwise)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the entrypoint and the runtime "
+                                 "env the job would get, and submit nothing."),
 ) -> None:
     """Submit a job file with a preset and a runtime env; stream its log; show its MLflow run.
 
-    Arguments after the job file (or after `--`) are passed to it. The token for a cluster with
-    token authentication comes from RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or, for a cluster on
-    this machine only, ~/.ray/auth_token (RAY_AUTH_MODE=disabled sends none); it is never
-    printed.
+    The job contract: the cluster runs `python JOB_FILE ARGS...`, where ARGS are the arguments
+    after `--`, passed untouched (arguments after the job file that submit does not know are
+    passed too, but put the job's own after `--`: submit takes its options wherever they are).
+    The job gets its preset, run name and run id in the environment variables RAYDECK_PRESET,
+    RAYDECK_RUN_NAME and RAYDECK_RUN_ID, so any script runs; the repository's jobs read them as
+    the defaults of their --preset and --run-name. A --preset or --run-name given to submit and
+    again after `--` is an error.
+
+    The token for a cluster with token authentication comes from RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH or, for a cluster on this machine only, ~/.ray/auth_token
+    (RAY_AUTH_MODE=disabled sends none); it is never printed.
     """
     from pathlib import Path
 
+    from raydeck._internal.data_files import default_path
     from raydeck.config import RUN_KEY_PATTERN, load_settings
     from raydeck.errors import ConfigError
     from raydeck.jobs import (
         JobRequest,
         JobServer,
         check_job_file,
+        contract_conflicts,
         find_run,
         load_runtime_env,
         new_run_id,
@@ -74,14 +93,22 @@ def submit(
         stream_logs,
         submit_job,
     )
-    from raydeck.models import check_model_name, register_run_model
     from raydeck.observability.prometheus import parse_duration
     from raydeck.redaction import redact_text, redact_url
     from raydeck.scaling import check_feasible, get_preset
 
     settings = load_settings()
-    _quiet_logs(settings.log_level)
-    chosen = get_preset(preset, settings.presets_file)
+    setup_logging(settings.log_level)  # Ray's loggers are quieted once it is imported, below
+    args = tuple(ctx.args)
+    conflicts = contract_conflicts(args, preset=preset, run_name=run_name)
+    if conflicts:
+        raise ConfigError("; ".join(conflicts) + " (the job reads submit's from RAYDECK_PRESET "
+                          "and RAYDECK_RUN_NAME: give each once)")
+    if preset is None and any(a == "--preset" or a.startswith("--preset=") for a in args):
+        err_console.print(f"[yellow]--preset after `--` goes to the job untouched; submit checks "
+                          f"and queues it as preset {DEFAULT_PRESET} (RAYDECK_PRESET): pass "
+                          f"--preset to submit instead[/]", soft_wrap=True)
+    chosen = get_preset(preset or DEFAULT_PRESET, settings.presets_file)
     name = run_name or Path(job_file).stem.replace("_", "-")
     if run_id is not None and not RUN_KEY_PATTERN.match(run_id):
         raise ConfigError(f"--run-id={run_id!r}: may hold 1-128 letters, digits, _ . - only")
@@ -92,15 +119,21 @@ def submit(
         raise ConfigError("--register-as needs the job's end, which a queued submission does "
                           "not wait for; register later with `raydeck models`")
     if register_as is not None:
+        from raydeck.models import check_model_name  # imports torch: only when registering
+
         check_model_name(register_as)
         if not wait:
             raise ConfigError("--register-as registers the run's model once the job succeeds: "
                               "it needs --wait (drop --no-wait)")
-    env = load_runtime_env(runtime_env, fill=not cluster_env)
+    env_file = runtime_env or default_path(DEFAULT_RUNTIME_ENV)
+    env = load_runtime_env(env_file, fill=not cluster_env)
     check_job_file(job_file, env)
     request = JobRequest(job_file=job_file, preset=chosen.name, run_name=name,
-                         run_id=run_id or new_run_id(name), runtime_env=env,
-                         args=tuple(ctx.args))
+                         run_id=run_id or new_run_id(name), runtime_env=env, args=args)
+    if dry_run:
+        _show_request(request, env_file)
+        return
+    _quiet_logs(settings.log_level)
     server = JobServer.from_env(address)
     client = server.client()
     shown = redact_url(server.address)
@@ -144,10 +177,24 @@ def submit(
         # metric the version is tagged with may still be on its way.
         with console.status("waiting for the run's last data to land in MLflow..."):
             _wait_for_run_end(settings, request.run_id)
+        from raydeck.models import register_run_model
+
         registered = register_run_model(settings.tracking.uri, run.mlflow_run_id, register_as,
                                         "val_accuracy")
         console.print(f"  registered: {registered.uri}  (serve it: raydeck serve "
                       f"{registered.uri})", soft_wrap=True)
+
+
+def _show_request(request: JobRequest, env_file: str | Path) -> None:
+    """What ``--dry-run`` prints: the entrypoint and the runtime env, as they would be sent."""
+    import json
+
+    from raydeck.jobs import submitted_runtime_env
+    from raydeck.redaction import redact_text
+
+    typer.echo(f"entrypoint: {redact_text(request.entrypoint)}")
+    typer.echo(f"runtime env ({env_file}):")
+    typer.echo(redact_text(json.dumps(submitted_runtime_env(request), indent=2, sort_keys=True)))
 
 
 def _enqueue(settings: Settings, server: JobServer, request: JobRequest, team: str,

@@ -11,7 +11,7 @@ from raydeck.cli._console import console, err_console
 app = typer.Typer(help="Prometheus for raydeck: scrape every Ray node, load the alert rules.",
                   no_args_is_help=True)
 
-DEFAULT_RULES = Path("dashboards/alerts/raydeck.rules.yml")
+DEFAULT_RULES = Path("dashboards/alerts/raydeck.rules.yml")  # here, else raydeck's copy
 
 
 @app.command("config")
@@ -23,7 +23,8 @@ def config(
         help="Ray's service-discovery file (default: <ray temp dir>/session_latest/"
              "prom_metrics_service_discovery.json)."),
     rules: list[Path] = typer.Option(
-        [], "--rules", help=f"Alert rule file(s) to load (default: {DEFAULT_RULES})."),
+        [], "--rules", help=f"Alert rule file(s) to load (default: {DEFAULT_RULES} in this "
+                            "directory if it exists, else the copy installed with raydeck)."),
     local: bool = typer.Option(True, "--local/--cluster",
                                help="Scrape 127.0.0.1 (one machine) or each node's address."),
     cluster_name: str = typer.Option("", "--cluster-name",
@@ -33,16 +34,19 @@ def config(
                                               help="Seconds between rule evaluations."),
 ) -> None:
     """Write a Prometheus config that scrapes every Ray node and loads raydeck's alert rules."""
+    from raydeck._internal.data_files import checkout_path, packaged_path
     from raydeck.errors import ConfigError
     from raydeck.observability.prometheus import PrometheusConfig, default_discovery_file
 
     discovery = discovery_file or default_discovery_file()
-    if not rules and DEFAULT_RULES.is_file():
-        rules = [DEFAULT_RULES]
+    if not rules:
+        found = (DEFAULT_RULES if DEFAULT_RULES.is_file() else
+                 packaged_path(DEFAULT_RULES) or checkout_path(DEFAULT_RULES))
+        rules = [found] if found is not None else []
     missing = [str(path) for path in rules if not path.is_file()]
     if missing:
-        raise ConfigError(f"--rules {', '.join(missing)}: no such file (the rendered rules are "
-                          f"{DEFAULT_RULES}; run from the repository root)")
+        raise ConfigError(f"--rules {', '.join(missing)}: no such file (raydeck's rendered rules "
+                          f"are {DEFAULT_RULES}, installed with raydeck)")
     prometheus = PrometheusConfig(discovery_file=discovery, rule_files=tuple(rules), local=local,
                                   cluster=cluster_name, scrape_interval_s=scrape_interval,
                                   evaluation_interval_s=evaluation_interval)
@@ -54,7 +58,8 @@ def config(
                   f"{' on 127.0.0.1' if local else ''}, loads {len(rules)} rule file(s)",
                   soft_wrap=True)
     if not rules:
-        err_console.print(f"[yellow]no alert rules loaded: {DEFAULT_RULES} not found here[/]")
+        err_console.print(f"[yellow]no alert rules loaded: {DEFAULT_RULES} not found here or "
+                          "in this raydeck install[/]")
     if not discovery.exists():
         err_console.print(f"[yellow]{discovery} does not exist yet: Ray writes it while its "
                           "dashboard runs (`ray start --head`); Prometheus reads it once it "

@@ -12,6 +12,7 @@ from rich.table import Table
 from raydeck.cli._console import console, setup_logging
 
 DEFAULT_JOB = "raydeck.examples.digits:digits_sweep_job"
+DEFAULT_SPACE = "jobs/sweep_digits.yaml"
 
 
 def _load_job(spec: str) -> Any:
@@ -31,8 +32,10 @@ def _load_job(spec: str) -> Any:
 
 
 def sweep(
-    space: Path = typer.Option(Path("jobs/sweep_digits.yaml"),
-                               help="YAML search space (a resumed sweep keeps its own)."),
+    space: Path = typer.Option(None, show_default=False,
+                               help=f"YAML search space (a resumed sweep keeps its own). Default: "
+                                    f"{DEFAULT_SPACE} in this directory if it exists, else the "
+                                    "copy installed with raydeck."),
     name: str = typer.Option("digits-sweep", help="Sweep name (MLflow parent run, Tune dir)."),
     job: str = typer.Option(DEFAULT_JOB, help="module:function returning a SweepJob."),
     metric: str = typer.Option("val_accuracy", help="Metric to optimise."),
@@ -56,6 +59,7 @@ def sweep(
                                      "driver died or was stopped), or redo its summary."),
 ) -> None:
     """Run a hyperparameter sweep: one MLflow child run per trial, the best model registered."""
+    from raydeck._internal.data_files import default_path
     from raydeck.cluster import connect
     from raydeck.config import load_settings
     from raydeck.tune import SearchSpace, SweepConfig
@@ -72,7 +76,7 @@ def sweep(
         register_model_as=register_as or None,
     )
     # A resumed sweep keeps the space (and settings) it was started with.
-    search_space = None if resume else SearchSpace.from_yaml(space)
+    search_space = None if resume else SearchSpace.from_yaml(space or default_path(DEFAULT_SPACE))
     sweep_job = _load_job(job)
     with console.status(f"sweep {name}: {'resuming' if resume else config.scheduler}..."):
         connect(settings, log_to_driver=False)

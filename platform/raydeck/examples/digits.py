@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import tempfile
 import threading
 import time
@@ -374,11 +375,16 @@ def digits_distributed_sweep_job() -> Any:
 def job_arguments(description: str, run_name: str) -> argparse.ArgumentParser:
     """The command line of the digits jobs (``jobs/digits_*.py``): preset, run and config.
 
-    Every key of :data:`DEFAULT_CONFIG` is an option (``--batch-size 32``).
+    Every key of :data:`DEFAULT_CONFIG` is an option (``--batch-size 32``). ``--preset`` and
+    ``--run-name`` default to ``RAYDECK_PRESET`` and ``RAYDECK_RUN_NAME``, which ``raydeck
+    submit`` sets (its job contract), then to ``cpu-2`` and ``run_name``.
     """
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--preset", default="cpu-2", help="scaling preset (raydeck presets)")
-    parser.add_argument("--run-name", default=run_name, help="MLflow run name")
+    parser.add_argument("--preset", default=os.environ.get("RAYDECK_PRESET") or "cpu-2",
+                        help="scaling preset (raydeck presets; default RAYDECK_PRESET, else "
+                             "cpu-2)")
+    parser.add_argument("--run-name", default=os.environ.get("RAYDECK_RUN_NAME") or run_name,
+                        help=f"MLflow run name (default RAYDECK_RUN_NAME, else {run_name})")
     parser.add_argument("--run-id", default=None,
                         help="shared run id: resume or join this run (default RAYDECK_RUN_ID)")
     parser.add_argument("--mode", default=None, choices=["rank_zero", "all_ranks", "per_rank"],
