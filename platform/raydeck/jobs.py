@@ -43,10 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raydeck.config import Secret
 from raydeck.errors import ClusterUnavailableError, ConfigError, JobSubmissionError
 from raydeck.job_server_address import API_SERVER_ADDRESS_ENV, find_job_server, is_local_address
 from raydeck.redaction import is_secret_name, redact_text, redact_url
+from raydeck.secrets import Secret
+from raydeck.stack_connection import token_for
 
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient
@@ -132,8 +133,6 @@ def auth_token(env: Mapping[str, str] | None = None, job_server: str | None = No
             raise ConfigError(
                 f"{AUTH_TOKEN_PATH_ENV}={str(path)!r}: cannot read the token ({exc.strerror})"
             ) from None
-    from raydeck.stack.connection import token_for
-
     stack_token = token_for(address, env)
     if stack_token is not None:
         return stack_token
@@ -334,13 +333,13 @@ def probe_main() -> None:
     """The probe job's body (runs on the cluster): versions and per-node resources as JSON."""
     import ray
 
-    import raydeck
+    from raydeck._version import __version__
     from raydeck.scaling import cluster_resources
 
     ray.init(logging_level=logging.WARNING)
     totals, available = cluster_resources()
     print(PROBE_MARKER + json.dumps({
-        "python": sys.executable, "raydeck_version": raydeck.__version__,
+        "python": sys.executable, "raydeck_version": __version__,
         "ray_version": ray.__version__, "node_totals": totals, "node_available": available,
     }), flush=True)
 

@@ -12,9 +12,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from raydeck import preemption
 from raydeck.config import Settings
+from raydeck.errors import JobPreemptedError
+from raydeck.preemption import PREEMPTION_TAG_PREFIX, PREEMPTIONS_TAG
 from raydeck.scaling import DEFAULT_CHECKPOINTS_TO_KEEP, DEFAULT_MAX_FAILURES
-from raydeck.scheduling import preemption
 from raydeck.tracking.tracker import Tracker
 
 logger = logging.getLogger(__name__)
@@ -99,5 +101,27 @@ def fit(
         torch_config=torch_config(scaling_config),
     )
     result = trainer.fit()
-    preemption.end_if_preempted(tracker, result)
+    end_if_preempted(tracker, result)
     return result
+
+
+def end_if_preempted(tracker: Tracker, result: Any) -> None:
+    """After Ray Train returned in a queued job's driver: if its workers stopped because the
+    queue asked them to, tag the run (``raydeck.preemptions``, ``raydeck.preemption.<N>``),
+    end it KILLED (the next attempt marks it running again) and raise. A job that finished
+    before any rank was told goes on as finished.
+
+    Raises:
+        JobPreemptedError: the job stopped at a checkpoint for the queue.
+    """
+    number = preemption.preemption_number()
+    if number is None:
+        return
+    epoch = (result.metrics or {}).get("epoch")
+    where = f"stopped after epoch {epoch}" if epoch is not None else "stopped at a checkpoint"
+    tracker.set_tags({PREEMPTIONS_TAG: number, f"{PREEMPTION_TAG_PREFIX}{number}": where},
+                     strict=False)
+    tracker.finish("KILLED")
+    raise JobPreemptedError(f"job {preemption.queue_job_id()}: preempted by the queue ({where}, "
+                            f"preemption {number}); it resumes from that checkpoint in run "
+                            f"{tracker.run_id}")

@@ -36,6 +36,7 @@ from typing import Any
 
 import ray
 
+from raydeck import preemption
 from raydeck.config import Settings
 from raydeck.errors import TrackingUnavailableError, TrackingValidationError, TrackingWriteError
 from raydeck.tracking import validation
@@ -661,8 +662,6 @@ class Tracker:
         too). Return from the training function; the job resumes from that checkpoint in this
         run when the queue starts it again. Always False for a job the queue did not start.
         """
-        from raydeck.scheduling import preemption
-
         return preemption.stop_requested()
 
     # --- delivery -----------------------------------------------------------------------------

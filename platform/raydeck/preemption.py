@@ -1,12 +1,16 @@
-"""A queued job's side of preemption: telling the queue of each committed checkpoint, and
-learning there that it should stop (as Determined's ``should_preempt()``).
+"""The training runtime's preemption signal: a queued job tells the queue of each committed
+checkpoint and learns there that it should stop (as Determined's ``should_preempt()``).
+
+This module sits below tracking and scheduling: the queue (:mod:`raydeck.scheduling`)
+implements :class:`PreemptionQueue` as a named actor, and the tracker
+(``Tracker.should_preempt``), ``report_epoch``, the Lightning callback and the training driver
+(:func:`raydeck.training.end_if_preempted`) consume the answer; none of them imports the queue.
 
 Owns: ``RAYDECK_QUEUE_JOB`` (the queue's id of the job, set in the job's runtime env when the
-queue starts it), :func:`checkpoint_committed` (every rank calls it after a committed
-checkpoint; rank 0 tells the queue and every rank gets rank 0's answer, so all ranks stop at the
-same epoch), :func:`stop_requested` (that answer, for the training loop) and
-:func:`end_if_preempted` (the driver, once training returned: record the preemption on the run,
-end it KILLED and raise, so the job exits unfinished and the queue starts it again).
+queue starts it), the queue actor's name, :func:`checkpoint_committed` (every rank calls it
+after a committed checkpoint; rank 0 tells the queue and every rank gets rank 0's answer, so all
+ranks stop at the same epoch), :func:`stop_requested` (that answer, for the training loop) and
+:func:`preemption_number` (the driver, once training returned: which preemption stopped it).
 
 Contract: a job the queue did not start makes no call and is never asked to stop. A queue that
 cannot be reached answers "go on" (logged): a queue outage never stops training.
@@ -16,22 +20,33 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
-
-from raydeck.errors import JobPreemptedError
-
-if TYPE_CHECKING:
-    from raydeck.tracking.tracker import Tracker
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
 QUEUE_JOB_ENV = "RAYDECK_QUEUE_JOB"
+# The queue's detached actor, in the settings' Ray namespace.
+QUEUE_ACTOR_NAME = "raydeck-queue"
 QUEUE_CALL_TIMEOUT_S = 10.0
 # A preempted job's exit status (EX_TEMPFAIL: try again later), so it is not mistaken for done.
 PREEMPTED_EXIT_CODE = 75
 # On the run of a preempted job: how many times, and where each stopped.
 PREEMPTIONS_TAG = "raydeck.preemptions"
 PREEMPTION_TAG_PREFIX = "raydeck.preemption."
+
+
+
+class PreemptionQueue(Protocol):
+    """What the queue's actor answers a job (each as ``(ok, value)``, through Ray)."""
+
+    def checkpointed(self, job_id: str) -> tuple[bool, bool]:
+        """A checkpoint of ``job_id`` committed: whether it should stop now."""
+        ...
+
+    def preempted(self, job_id: str) -> tuple[bool, int | None]:
+        """Which preemption of ``job_id`` stopped it, None when it was not told to stop."""
+        ...
+
 
 _stop_requested = False
 _handle: Any = None
@@ -48,11 +63,10 @@ def _ask(method: str, job_id: str) -> Any:
     import ray
 
     from raydeck.config import load_settings
-    from raydeck.scheduling.actor import ACTOR_NAME
 
     try:
         if _handle is None:
-            _handle = ray.get_actor(ACTOR_NAME, namespace=load_settings().ray_namespace)
+            _handle = ray.get_actor(QUEUE_ACTOR_NAME, namespace=load_settings().ray_namespace)
         ok, value = ray.get(getattr(_handle, method).remote(job_id),
                             timeout=QUEUE_CALL_TIMEOUT_S)
     except Exception as exc:
@@ -83,26 +97,12 @@ def stop_requested() -> bool:
     return _stop_requested
 
 
-def end_if_preempted(tracker: Tracker, result: Any) -> None:
-    """After Ray Train returned in a queued job's driver: if its workers stopped because the
-    queue asked them to, tag the run (``raydeck.preemptions``, ``raydeck.preemption.<N>``),
-    end it KILLED (the next attempt marks it running again) and raise. A job that finished
-    before any rank was told goes on as finished.
-
-    Raises:
-        JobPreemptedError: the job stopped at a checkpoint for the queue.
+def preemption_number() -> int | None:
+    """In a queued job's driver once Ray Train returned: which preemption of this job stopped
+    it (1 for the first), None when the job was not queued or no rank was told to stop.
     """
     job_id = queue_job_id()
-    number = _ask("preempted", job_id) if job_id is not None else None
-    if number is None:
-        return
-    epoch = (result.metrics or {}).get("epoch")
-    where = f"stopped after epoch {epoch}" if epoch is not None else "stopped at a checkpoint"
-    tracker.set_tags({PREEMPTIONS_TAG: number, f"{PREEMPTION_TAG_PREFIX}{number}": where},
-                     strict=False)
-    tracker.finish("KILLED")
-    raise JobPreemptedError(f"job {job_id}: preempted by the queue ({where}, preemption "
-                            f"{number}); it resumes from that checkpoint in run {tracker.run_id}")
+    return _ask("preempted", job_id) if job_id is not None else None
 
 
 def _agree(value: bool) -> bool:
