@@ -32,7 +32,8 @@ from raydeck.tracking.router import (
     RouterCore,
     ray_liveness,
 )
-from raydeck.tracking.shard import Shard, ShardConfig
+from raydeck.tracking.shard import ShardConfig
+from raydeck.tracking.shard_actor import Shard
 
 logger = logging.getLogger(__name__)
 
