@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from raydeck.tracking.dead_letters import DEAD_LETTERS_TAG
-from raydeck.tracking.messages import Batch, FileRef, OpenRun
-from raydeck.tracking.shard import ShardConfig, ShardCore
+from raydeck.tracking.messages import Batch, FileRef, OpenRun, ShardConfig
+from raydeck.tracking.shard import ShardCore
 from tests.fixtures.mlflow_server import MlflowServer
 
 

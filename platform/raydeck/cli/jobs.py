@@ -68,7 +68,6 @@ def submit(
         JobServer,
         check_job_file,
         find_run,
-        load_runtime_env,
         new_run_id,
         probe,
         stream_logs,
@@ -77,6 +76,7 @@ def submit(
     from raydeck.models import check_model_name, register_run_model
     from raydeck.observability.prometheus import parse_duration
     from raydeck.redaction import redact_text, redact_url
+    from raydeck.runtime_env import load_runtime_env
     from raydeck.scaling import check_feasible, get_preset
 
     settings = load_settings()

@@ -23,7 +23,7 @@ import ray
 
 from raydeck.config import Settings
 from raydeck.errors import TrackingUnavailableError
-from raydeck.tracking.messages import AttachRequest, RunBinding
+from raydeck.tracking.messages import AttachRequest, RunBinding, ShardConfig
 from raydeck.tracking.router import (
     REAP_INTERVAL_S,
     Control,
@@ -32,7 +32,6 @@ from raydeck.tracking.router import (
     RouterCore,
     ray_liveness,
 )
-from raydeck.tracking.shard import ShardConfig
 from raydeck.tracking.shard_actor import Shard
 
 logger = logging.getLogger(__name__)

@@ -34,7 +34,6 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +42,11 @@ from raydeck.tracking.dead_letters import DeadLetters
 from raydeck.tracking.log_upload import upload_log_part
 from raydeck.tracking.messages import (
     Batch,
+    IngestResult,
     LandedReport,
     Pending,
+    Resolution,
+    ShardConfig,
 )
 from raydeck.tracking.metrics import ShardMetrics
 from raydeck.tracking.run_queue import (
@@ -94,38 +96,6 @@ class WriterState(enum.Enum):
     WRITING = "writing"
     BACKING_OFF = "backing_off"
     STOPPED = "stopped"
-
-
-@dataclass(frozen=True)
-class ShardConfig:
-    """What a shard needs to run; built by the router from raydeck's settings."""
-
-    index: int
-    tracking_uri: str
-    spool_dir: str
-    fsync: bool
-    writers: int
-    env: dict[str, str] = field(repr=False)
-
-
-@dataclass(frozen=True)
-class IngestResult:
-    """``ingest``'s answer. ``missing_uploads``: send these files' bytes again, then the batch."""
-
-    accepted: bool
-    missing_uploads: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """A run key as MLflow knows it: what ``Tracker.run_id`` and friends report."""
-
-    run_id: str
-    experiment_id: str
-    mode: str
-    name: str
-    resumed: bool
-    params: dict[str, str]
 
 
 class ShardCore:

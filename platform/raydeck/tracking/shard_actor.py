@@ -8,8 +8,15 @@ from typing import Any
 
 import ray
 
-from raydeck.tracking.messages import Batch, DeadLetter, LandedReport
-from raydeck.tracking.shard import IngestResult, Resolution, ShardConfig, ShardCore
+from raydeck.tracking.messages import (
+    Batch,
+    DeadLetter,
+    IngestResult,
+    LandedReport,
+    Resolution,
+    ShardConfig,
+)
+from raydeck.tracking.shard import ShardCore
 
 
 class Shard:
