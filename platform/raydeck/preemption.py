@@ -22,6 +22,8 @@ import logging
 import os
 from typing import Any, Protocol
 
+from raydeck.config import load_settings
+
 logger = logging.getLogger(__name__)
 
 QUEUE_JOB_ENV = "RAYDECK_QUEUE_JOB"
@@ -60,9 +62,9 @@ def queue_job_id() -> str | None:
 def _ask(method: str, job_id: str) -> Any:
     """Call the queue actor; None when it cannot be reached."""
     global _handle
+    # Deferred for start-up time: the queue's side imports this module's constants, and Ray
+    # only matters to a queued job, which has imported it already.
     import ray
-
-    from raydeck.config import load_settings
 
     try:
         if _handle is None:
@@ -107,6 +109,7 @@ def preemption_number() -> int | None:
 
 def _agree(value: bool) -> bool:
     """Rank 0's ``value`` on every rank of the job's process group."""
+    # Deferred for start-up time: torch is imported only by a process that trains.
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
