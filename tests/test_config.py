@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from raydeck.config import Secret, load_settings, load_settings_with_origins
+from raydeck.config import load_settings, load_settings_with_origins
 from raydeck.errors import ConfigError
+from raydeck.secrets import Secret
 
 
 def test_defaults_make_the_embedded_mode_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 
-from raydeck.config import Secret
 from raydeck.errors import ClusterUnavailableError, ConfigError
 from raydeck.job_server_address import (
     ClusterAddress,
@@ -29,7 +28,8 @@ from raydeck.job_server_address import (
     read_registered_dashboard,
     resolve_job_server,
 )
-from raydeck.stack.connection import StackConnection
+from raydeck.secrets import Secret
+from raydeck.stack_connection import StackConnection
 
 # Names under .invalid never resolve (RFC 6761): nothing answers there, quickly.
 NOWHERE = "head.invalid"

@@ -101,8 +101,8 @@ def test_runtime_env_files_are_valid_ray_runtime_envs_without_secrets(path: Path
     from ray.runtime_env import RuntimeEnv
 
     from raydeck.config import load_settings, settings_reference
-    from raydeck.jobs import PLACEHOLDER, check_runtime_env
     from raydeck.redaction import is_secret_name
+    from raydeck.runtime_env import PLACEHOLDER, check_runtime_env
 
     document = yaml.safe_load(path.read_text())
     RuntimeEnv(**document)
@@ -126,7 +126,7 @@ def test_raydeck_fills_runtime_envs_from_the_submitting_environment_but_never_se
     tmp_path: Path
 ) -> None:
     from raydeck.errors import ConfigError
-    from raydeck.jobs import load_runtime_env
+    from raydeck.runtime_env import load_runtime_env
 
     submitting = {"RAYDECK_TRACKING_URI": "http://mlflow:5000", "RAYDECK_DATA_DIR": "/data",
                   "RAYDECK_S3_ENDPOINT": "http://minio:9000", "RAYDECK_S3_ACCESS_KEY_ID": "ak",

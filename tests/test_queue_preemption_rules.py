@@ -17,13 +17,14 @@ from typing import Any
 
 import pytest
 
+from raydeck import preemption
 from raydeck.errors import JobPreemptedError
-from raydeck.scheduling import preemption
 from raydeck.scheduling.policies import POLICIES, Resources, make_policy
 from raydeck.scheduling.preemption_rules import MIN_RUN_BEFORE_PREEMPTION_S
 from raydeck.scheduling.queue import JobQueue, JobSpec, Launcher
 from raydeck.scheduling.simulator import TraceJob, simulate
 from raydeck.scheduling.store import JobRow, Store
+from raydeck.training import end_if_preempted
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -273,7 +274,7 @@ def test_workers_told_to_stop_end_the_driver_as_preempted_when_its_confirmation_
     tracker = _Tracker()
     # The driver's confirmation times out: it still raises, so the job exits 75.
     with pytest.raises(JobPreemptedError, match="preemption \\(unconfirmed\\)"):
-        preemption.end_if_preempted(tracker, _Result())  # type: ignore[arg-type]
+        end_if_preempted(tracker, _Result())  # type: ignore[arg-type]
     assert tracker.status == "KILLED" and cluster["calls"][-1] == "preempted"
     assert "completed" not in cluster["calls"]
 
@@ -283,7 +284,7 @@ def test_the_queues_confirmation_alone_ends_the_driver_as_preempted(
     cluster["answers"]["preempted"] = 2  # the workers' word was lost; the queue's record holds
     tracker = _Tracker()
     with pytest.raises(JobPreemptedError, match="preemption 2"):
-        preemption.end_if_preempted(tracker, _Result())  # type: ignore[arg-type]
+        end_if_preempted(tracker, _Result())  # type: ignore[arg-type]
     assert tracker.tags == {"raydeck.preemptions": 2,
                             "raydeck.preemption.2": "stopped after epoch 3"}
 
@@ -291,12 +292,12 @@ def test_the_queues_confirmation_alone_ends_the_driver_as_preempted(
 def test_a_job_that_ran_to_its_end_tells_the_queue_and_returns(cluster: dict[str, Any]) -> None:
     cluster["answers"].update(preempted=None, completed=None)
     tracker = _Tracker()
-    preemption.end_if_preempted(tracker, _Result())  # type: ignore[arg-type]
+    end_if_preempted(tracker, _Result())  # type: ignore[arg-type]
     assert cluster["calls"] == ["preempted", "completed"] and tracker.status is None
     # A queue that cannot be reached is not told; the job is not taken as preempted either.
     cluster["answers"].clear()
     cluster["calls"].clear()
-    preemption.end_if_preempted(tracker, _Result())  # type: ignore[arg-type]
+    end_if_preempted(tracker, _Result())  # type: ignore[arg-type]
     assert cluster["calls"] == ["preempted"] and tracker.status is None
 
 

@@ -177,7 +177,7 @@ def test_runtime_envs_get_the_tracking_uri_without_credentials() -> None:
 
 def test_runtime_env_files_keep_credentials_for_the_cluster_to_fill(tmp_path: Path) -> None:
     from raydeck.errors import ConfigError
-    from raydeck.jobs import load_runtime_env
+    from raydeck.runtime_env import load_runtime_env
 
     spec = tmp_path / "env.yaml"
     spec.write_text("working_dir: .\nenv_vars:\n  RAYDECK_TRACKING_URI: ${RAYDECK_TRACKING_URI}\n"

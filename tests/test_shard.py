@@ -15,8 +15,9 @@ from typing import Any
 
 import pytest
 
-from raydeck.tracking.messages import Batch, FileRef, OpenRun
-from raydeck.tracking.shard import DEAD_LETTERS_TAG, ShardConfig, ShardCore
+from raydeck.tracking.dead_letters import DEAD_LETTERS_TAG
+from raydeck.tracking.messages import Batch, FileRef, OpenRun, ShardConfig
+from raydeck.tracking.shard import ShardCore
 from tests.fixtures.mlflow_server import MlflowServer
 
 

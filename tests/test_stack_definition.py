@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
-from raydeck.config import Secret, load_settings
-from raydeck.stack import connection
-from raydeck.stack.credentials import Credentials, load_or_create
+from raydeck import stack_connection as connection
+from raydeck.config import load_settings
+from raydeck.secrets import Secret
 from raydeck.stack.launchers import LAUNCHERS, StackContext
 from raydeck.stack.processes import free_port
 from raydeck.stack.services import (
@@ -26,10 +26,10 @@ from raydeck.stack.services import (
     NOT_LOCAL,
     POSTGRES_DB,
     POSTGRES_USER,
-    SECRET_NAMES,
     SERVICES,
 )
 from raydeck.stack.state import StackPaths, StackState
+from raydeck.stack_credentials import SECRET_NAMES, Credentials, load_or_create
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker" / "docker-compose.yml").read_text())["services"]

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from raydeck import preemption
 from raydeck.observability.metrics import training_metrics
-from raydeck.scheduling import preemption
 from raydeck.tracking.tracker import Tracker
 
 logger = logging.getLogger(__name__)

@@ -18,6 +18,7 @@ from typing import Any
 
 from raydeck.config import Settings, load_settings
 from raydeck.errors import ClusterUnavailableError
+from raydeck.stack_connection import ray_auth_env
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +100,6 @@ def use_stack_auth(address: str | None) -> None:
     for the stack's own address, and only when the process chose no mode or token itself. Ray's
     cached configuration is refreshed, as Ray's own token setup does.
     """
-    from raydeck.stack.connection import ray_auth_env
-
     variables = ray_auth_env(address)
     if not variables:
         return

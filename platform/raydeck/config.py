@@ -6,7 +6,7 @@ variable (derived from the section's prefix and the field name), type, default a
 
 Precedence: environment variable > ``raydeck.toml`` (``$RAYDECK_CONFIG`` or ``./raydeck.toml``) >
 the running stack's connection file (``raydeck up``; ``$RAYDECK_STACK_FILE``, see
-:mod:`raydeck.stack.connection`) > default. Defaults make the embedded mode work with nothing
+:mod:`raydeck.stack_connection`) > default. Defaults make the embedded mode work with nothing
 set: a local Ray instance, an MLflow SQLite file and artifacts under ``./.raydeck/``.
 
 The ecosystem's own variables count as well, below raydeck's explicit settings: the tracking URI
@@ -19,7 +19,7 @@ shows it).
 
 Every value is validated once, at load, and a bad one raises
 :class:`~raydeck.errors.ConfigError` naming the variable, the TOML key and what is accepted.
-Secrets are :class:`Secret` objects whose ``repr``/``str`` never show the value.
+Secrets are :class:`~raydeck.secrets.Secret` objects whose ``repr``/``str`` never show the value.
 """
 
 from __future__ import annotations
@@ -36,11 +36,11 @@ from typing import Any, ClassVar, Literal, get_args
 
 from raydeck.errors import ConfigError
 from raydeck.redaction import redact_env, redact_value
+from raydeck.secrets import Secret
+from raydeck.stack_connection import MLFLOW_TRACKING_URI_ENV, settings_document
 
 CONFIG_FILE_ENV = "RAYDECK_CONFIG"
 DEFAULT_CONFIG_FILE = "raydeck.toml"
-# MLflow's own variable: the tracking URI when raydeck's settings name none.
-MLFLOW_TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 # Where a setting's value came from, as load_settings_with_origins names it (a raydeck.toml
 # value is named by its file's path, MLFLOW_TRACKING_URI by its name).
 ORIGIN_ENVIRONMENT = "environment"
@@ -54,32 +54,6 @@ RUN_KEY_PATTERN = re.compile(r"^[\w.\-]{1,128}$")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _URI_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
-
-
-class Secret:
-    """A credential. Shows as ``'********'`` everywhere; ``reveal()`` is the only way in."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, value: str = "") -> None:
-        self._value = value
-
-    def reveal(self) -> str:
-        return self._value
-
-    def __bool__(self) -> bool:
-        return bool(self._value)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Secret) and other._value == self._value
-
-    def __hash__(self) -> int:
-        return hash(self._value)
-
-    def __repr__(self) -> str:
-        return "Secret('********')" if self._value else "Secret('')"
-
-    __str__ = __repr__
 
 
 def setting(default: Any, doc: str) -> Any:
@@ -508,8 +482,6 @@ def settings_markdown() -> str:
 
 def _stack_document(env: Mapping[str, str]) -> dict[str, Any]:
     """The running stack's settings (``raydeck up``), in raydeck.toml's shape; ``{}`` if none."""
-    from raydeck.stack.connection import settings_document
-
     return settings_document(env)
 
 

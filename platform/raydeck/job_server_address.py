@@ -47,11 +47,12 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from raydeck import stack_connection
 from raydeck.cluster import unreachable_reason
-from raydeck.config import ORIGIN_ENVIRONMENT, Secret, Settings, load_settings_with_origins
+from raydeck.config import ORIGIN_ENVIRONMENT, Settings, load_settings_with_origins
 from raydeck.errors import ClusterUnavailableError, ConfigError
 from raydeck.redaction import redact_url
-from raydeck.stack import connection
+from raydeck.secrets import Secret
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +229,7 @@ def read_registered_dashboard(gcs: ClusterAddress, token: Secret | None,
 def resolve_job_server(
     chosen: ClusterAddress,
     *,
-    stack: connection.StackConnection | None = None,
+    stack: stack_connection.StackConnection | None = None,
     token_for: Callable[[str], Secret | None] = lambda _address: None,
     read_gcs: Callable[[ClusterAddress, Secret | None], str] = read_registered_dashboard,
     answers: Callable[[str], bool] = lambda url: unreachable_reason(url) is None,
@@ -291,7 +292,7 @@ def find_job_server(address: str | None = None, env: Mapping[str, str] | None = 
     chosen = choose_address(address, env, settings.ray_address,
                             RAYDECK_RAY_ADDRESS_ENV if origin == ORIGIN_ENVIRONMENT
                             else f"ray_address ({origin})")
-    stack = connection.read(env)
+    stack = stack_connection.read(env)
     if chosen is None:
         return (stack.job_server if stack else DEFAULT_JOB_SERVER).rstrip("/")
     return resolve_job_server(chosen, stack=stack, token_for=token_for)

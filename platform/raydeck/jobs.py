@@ -1,11 +1,11 @@
 """Submitting training jobs to a Ray cluster through its job server (as `ray job submit` does).
 
-Owns: reaching the job server with its authentication token, reading the runtime env files of
-``runtime_envs/`` (filling in ``${NAME}`` values from the submitting environment, never secrets),
-the preflight probe that checks the cluster's Python can import raydeck and reads its resources,
-submission with a run id known before the job starts, log streaming, and the job list. Does not
-own what a job does (``jobs/*.py``), the cluster itself, or which job server an address leads to
-(:mod:`raydeck.job_server_address`).
+Owns: reaching the job server with its authentication token, the preflight probe that checks
+the cluster's Python can import raydeck and reads its resources, submission with a run id known
+before the job starts, log streaming, and the job list. Does not
+own what a job does (``jobs/*.py``), the cluster itself, which job server an address leads to
+(:mod:`raydeck.job_server_address`), or reading the runtime env files of ``runtime_envs/``
+(:mod:`raydeck.runtime_env`).
 
 Three facts of Ray 2.60 shape this module:
 
@@ -20,10 +20,11 @@ Three facts of Ray 2.60 shape this module:
   ``ray start``. :func:`probe` runs a tiny job first and says exactly which Python could not
   import raydeck and how to fix it, instead of a ``No module named 'ray'`` deep in a job log.
 - Ray fills in ``${NAME}`` in a runtime env's ``env_vars`` on each node from the environment
-  ``ray start`` ran with. :func:`load_runtime_env` fills them from the *submitting* environment
-  instead, except secrets (secret-named variables, and values that carry credentials such as a
-  tracking URI with user:password), which stay ``${NAME}`` for the cluster to fill: a secret's
-  value never travels with the job, whose runtime env Ray's agent logs and its dashboard shows.
+  ``ray start`` ran with. :func:`~raydeck.runtime_env.load_runtime_env` fills them from the
+  *submitting* environment instead, except secrets (secret-named variables, and values that
+  carry credentials such as a tracking URI with user:password), which stay ``${NAME}`` for the
+  cluster to fill: a secret's value never travels with the job, whose runtime env Ray's agent
+  logs and its dashboard shows.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raydeck.config import Secret
 from raydeck.errors import ClusterUnavailableError, ConfigError, JobSubmissionError
 from raydeck.job_server_address import API_SERVER_ADDRESS_ENV, find_job_server, is_local_address
-from raydeck.redaction import is_secret_name, redact_text, redact_url
+from raydeck.redaction import redact_text, redact_url
+from raydeck.secrets import Secret
+from raydeck.stack_connection import token_for
 
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient
@@ -64,7 +66,6 @@ AUTH_MODE_ENV = "RAY_AUTH_MODE"
 AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
 DEFAULT_TOKEN_PATH = Path(".ray/auth_token")  # in the home directory
-PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 RUN_ID_ENV = "RAYDECK_RUN_ID"
 # The job contract (``raydeck submit --help``): a job is ``python JOB ARGS...`` with ARGS exactly
 # as given after ``--``; the preset and run name reach it in these variables, so any script runs.
@@ -139,8 +140,6 @@ def auth_token(env: Mapping[str, str] | None = None, job_server: str | None = No
             raise ConfigError(
                 f"{AUTH_TOKEN_PATH_ENV}={str(path)!r}: cannot read the token ({exc.strerror})"
             ) from None
-    from raydeck.stack.connection import token_for
-
     stack_token = token_for(address, env)
     if stack_token is not None:
         return stack_token
@@ -226,99 +225,6 @@ class JobServer:
         return client
 
 
-# --- runtime envs ---------------------------------------------------------------------------
-def _references_secret(value: str) -> bool:
-    return any(is_secret_name(name) for name in PLACEHOLDER.findall(value))
-
-
-def _holds_credentials(value: str) -> bool:
-    """Whether ``value`` carries a credential (URL user-info, ``token=...``) in its text."""
-    return redact_text(value, ()) != value
-
-
-def check_runtime_env(runtime_env: Mapping[str, Any], source: str) -> None:
-    """Reject a runtime env that writes a secret's value instead of referencing it.
-
-    Secret: a secret-named variable (:func:`raydeck.redaction.is_secret_name`) holding anything
-    but a ``${NAME}`` reference, or any variable whose value carries credentials (a URL with
-    user-info, such as a tracking URI with user:password).
-
-    Raises:
-        ConfigError: a variable holds a secret; the message names it, never the value.
-    """
-    for name, raw in dict(runtime_env.get("env_vars") or {}).items():
-        value = str(raw)
-        if PLACEHOLDER.fullmatch(value) is None and (
-                is_secret_name(str(name)) or _holds_credentials(value)):
-            raise ConfigError(
-                f"{source}: env_vars.{name} holds a value; a secret may only be referenced as "
-                f"${{{name}}} so it stays out of files and job metadata"
-            )
-
-
-def load_runtime_env(path: str | Path, env: Mapping[str, str] | None = None,
-                     working_dir: str | Path | None = None, fill: bool = True
-                     ) -> dict[str, Any]:
-    """A runtime env file, ready to submit from this machine.
-
-    ``${NAME}`` in ``env_vars`` values is filled in from ``env`` (default ``os.environ``); a
-    value that is empty once filled is left out, so the cluster's own environment (or raydeck's
-    default) applies. With ``fill=False`` every value stays as written and Ray fills it in on
-    each node, as plain ``ray job submit`` does (for clusters that see services under other
-    names than the submitting machine does, e.g. Docker Compose). Values referencing a secret
-    (``RAYDECK_S3_SECRET_ACCESS_KEY``, ...) are always kept as written: Ray fills them in on
-    each node, so the secret never leaves the cluster. So are values whose filled-in text would
-    carry credentials (``RAYDECK_TRACKING_URI=http://user:password@...``), with a warning: the
-    cluster's nodes need that variable in the environment of ``ray start``.
-    ``working_dir`` and ``py_modules`` paths are made absolute (relative to ``working_dir``,
-    default the current directory), as ``ray job submit`` resolves them, and ``${PWD}`` is that
-    directory.
-
-    Raises:
-        ConfigError: the file is missing, is not a YAML mapping, or writes a secret's value.
-    """
-    import yaml
-
-    path = Path(path)
-    env = os.environ if env is None else env
-    try:
-        document = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"runtime env {str(path)!r}: cannot be read ({exc.strerror})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"runtime env {path}: not valid YAML ({exc})") from None
-    if not isinstance(document, dict):
-        raise ConfigError(f"runtime env {path}: expected a mapping (working_dir, env_vars, ...)")
-    check_runtime_env(document, str(path))
-    base = Path(working_dir or ".").resolve()
-    runtime_env = dict(document)
-    if "working_dir" in runtime_env and "://" not in str(runtime_env["working_dir"]):
-        runtime_env["working_dir"] = str((base / str(runtime_env["working_dir"])).resolve())
-    if runtime_env.get("py_modules"):
-        runtime_env["py_modules"] = [
-            module if "://" in str(module) else str((base / str(module)).resolve())
-            for module in runtime_env["py_modules"]
-        ]
-    # ${PWD} means the directory the submission is made from (a shell's PWD may be stale).
-    values = {**env, "PWD": str(base)}
-    env_vars: dict[str, str] = {}
-    for name, raw in dict(runtime_env.get("env_vars") or {}).items():
-        value = str(raw)
-        if not fill or _references_secret(value):
-            env_vars[str(name)] = value
-            continue
-        filled = PLACEHOLDER.sub(lambda match: values.get(match.group(1), ""), value)
-        if _holds_credentials(filled):
-            logger.warning(
-                "%s holds credentials, so it is left as %s for the cluster's nodes to fill in "
-                "from the environment of `ray start` (Ray logs runtime envs)", name, value)
-            env_vars[str(name)] = value
-        elif filled:
-            env_vars[str(name)] = filled
-    runtime_env["env_vars"] = env_vars
-    return runtime_env
-
-
 # --- the preflight probe --------------------------------------------------------------------
 @dataclass(frozen=True)
 class ClusterProbe:
@@ -341,13 +247,13 @@ def probe_main() -> None:
     """The probe job's body (runs on the cluster): versions and per-node resources as JSON."""
     import ray
 
-    import raydeck
+    from raydeck._version import __version__
     from raydeck.scaling import cluster_resources
 
     ray.init(logging_level=logging.WARNING)
     totals, available = cluster_resources()
     print(PROBE_MARKER + json.dumps({
-        "python": sys.executable, "raydeck_version": raydeck.__version__,
+        "python": sys.executable, "raydeck_version": __version__,
         "ray_version": ray.__version__, "node_totals": totals, "node_available": available,
     }), flush=True)
 

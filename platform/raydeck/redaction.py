@@ -16,7 +16,7 @@ status and errors, ``dashboards push``). Three rules, applied together:
    a message that quotes a credential in an unexpected shape (a DSN without a scheme, a password
    echoed by a server) is still caught.
 
-Does not own: keeping secrets from travelling in the first place (:class:`raydeck.config.Secret`,
+Does not own: keeping secrets from travelling in the first place (:class:`raydeck.secrets.Secret`,
 :func:`raydeck.storage.secret_env`, :func:`raydeck.cluster.job_runtime_env` decide that), nor
 which token goes to which Ray cluster (:func:`raydeck.jobs.auth_token`). This module imports
 nothing from raydeck, so every other module (errors and config included) can use it.

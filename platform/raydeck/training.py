@@ -12,9 +12,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from raydeck import preemption
 from raydeck.config import Settings
+from raydeck.errors import JobPreemptedError
+from raydeck.preemption import PREEMPTION_TAG_PREFIX, PREEMPTIONS_TAG
 from raydeck.scaling import DEFAULT_CHECKPOINTS_TO_KEEP, DEFAULT_MAX_FAILURES
-from raydeck.scheduling import preemption
 from raydeck.tracking.tracker import Tracker
 
 logger = logging.getLogger(__name__)
@@ -99,5 +101,34 @@ def fit(
         torch_config=torch_config(scaling_config),
     )
     result = trainer.fit()
-    preemption.end_if_preempted(tracker, result)
+    end_if_preempted(tracker, result)
     return result
+
+
+def end_if_preempted(tracker: Tracker, result: Any) -> None:
+    """After Ray Train returned in a queued job's driver: if its workers stopped because the
+    queue asked them to (:func:`raydeck.preemption.stopped_for_queue`, which holds even when
+    the queue's confirmation fails or times out), tag the run (``raydeck.preemptions``,
+    ``raydeck.preemption.<N>`` when the queue confirms which preemption it was), end it KILLED
+    (the next attempt marks it running again) and raise. A job that finished before any rank
+    was told goes on as finished.
+
+    Raises:
+        JobPreemptedError: the job stopped at a checkpoint for the queue.
+    """
+    stopped, number = preemption.stopped_for_queue()
+    if not stopped:
+        return
+    epoch = (result.metrics or {}).get("epoch")
+    where = f"stopped after epoch {epoch}" if epoch is not None else "stopped at a checkpoint"
+    job_id = preemption.queue_job_id()
+    if number is None:
+        logger.warning("job %s: its workers stopped for the queue, which did not confirm it "
+                       "(the run is not tagged with the preemption's number)", job_id)
+    else:
+        tracker.set_tags({PREEMPTIONS_TAG: number, f"{PREEMPTION_TAG_PREFIX}{number}": where},
+                         strict=False)
+    tracker.finish("KILLED")
+    raise JobPreemptedError(f"job {job_id}: preempted by the queue ({where}, preemption "
+                            f"{number or '(unconfirmed)'}); it resumes from that checkpoint in "
+                            f"run {tracker.run_id}")

@@ -78,12 +78,12 @@ def push(
     directory: Path = DirOption,
 ) -> None:
     """Upload the dashboards and the Prometheus datasource to Grafana (idempotent, stable uids)."""
-    from raydeck.config import Secret
     from raydeck.errors import ConfigError
     from raydeck.observability.dashboards import load_dashboards
     from raydeck.observability.grafana import push as push_all
     from raydeck.observability.grafana import ray_dashboards
     from raydeck.redaction import redact_url
+    from raydeck.secrets import Secret
 
     if not url:
         raise ConfigError("no Grafana URL: pass --url or set GRAFANA_URL (e.g. "

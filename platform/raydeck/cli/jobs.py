@@ -87,7 +87,6 @@ def submit(
         check_job_file,
         contract_conflicts,
         find_run,
-        load_runtime_env,
         new_run_id,
         probe,
         stream_logs,
@@ -95,6 +94,7 @@ def submit(
     )
     from raydeck.observability.prometheus import parse_duration
     from raydeck.redaction import redact_text, redact_url
+    from raydeck.runtime_env import load_runtime_env
     from raydeck.scaling import check_feasible, get_preset
 
     settings = load_settings()

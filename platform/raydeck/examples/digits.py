@@ -410,7 +410,7 @@ def run_job(train_fn: Callable[[dict[str, Any]], None], *, description: str, run
             register_as=args.register_as,
         )
     except JobPreemptedError as exc:
-        from raydeck.scheduling.preemption import PREEMPTED_EXIT_CODE
+        from raydeck.preemption import PREEMPTED_EXIT_CODE
 
         logger.warning("%s", exc)
         raise SystemExit(PREEMPTED_EXIT_CODE) from None

@@ -50,6 +50,7 @@ from lightning_fabric.utilities.logger import (
 from pytorch_lightning.loggers.logger import Logger
 from typing_extensions import override
 
+from raydeck import preemption
 from raydeck.checkpointing import (
     MetricPoint,
     log_points,
@@ -57,8 +58,7 @@ from raydeck.checkpointing import (
     report_checkpoint,
     stored_points,
 )
-from raydeck.scheduling import preemption
-from raydeck.tracking import Tracker
+from raydeck.tracking import Tracker, get_tracker
 from raydeck.tracking.validation import truncated_param
 
 logger = logging.getLogger(__name__)
@@ -120,9 +120,7 @@ class RaydeckLogger(Logger):
     @property
     def tracker(self) -> Tracker:
         if self._tracker is None:
-            import raydeck
-
-            self._tracker = raydeck.get_tracker()
+            self._tracker = get_tracker()
         return self._tracker
 
     @property
@@ -266,9 +264,7 @@ class RaydeckReportCallback(pl.Callback):
     @property
     def tracker(self) -> Tracker:
         if self._tracker is None:
-            import raydeck
-
-            self._tracker = raydeck.get_tracker()
+            self._tracker = get_tracker()
         return self._tracker
 
     @staticmethod
@@ -343,9 +339,7 @@ def resume(tracker: Tracker | None = None) -> Iterator[str | None]:
         yield None
         return
     if tracker is None:
-        import raydeck
-
-        tracker = raydeck.get_tracker()
+        tracker = get_tracker()
     with checkpoint.as_directory() as directory:
         state = json.loads((Path(directory) / STATE_FILE).read_text())
         if tracker.active and state["run_id"] and state["run_id"] != tracker.parent_run_key:

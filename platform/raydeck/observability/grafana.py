@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from raydeck.config import Secret
 from raydeck.errors import ConfigError, MonitoringError
+from raydeck.secrets import Secret
 
 DATASOURCE_UID = "raydeck-prometheus"
 DATASOURCE_NAME = "Prometheus (raydeck)"

@@ -6,7 +6,8 @@ interface),
 :mod:`~raydeck.scheduling.simulator` (replaying a trace through a policy without Ray; seeded
 heavy-tailed traces), the queue (:mod:`~raydeck.scheduling.queue`, its store, actor, client and
 job server), :mod:`~raydeck.scheduling.history` (earlier durations of a job, from MLflow) and
-:mod:`~raydeck.scheduling.preemption` (a queued job's side of preemption).
+the queue's side of preemption (a job's side, the signal it reads, is
+:mod:`raydeck.preemption`).
 """
 
 from raydeck.scheduling.policies import (

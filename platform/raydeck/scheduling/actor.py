@@ -20,12 +20,13 @@ from typing import Any
 
 from raydeck.errors import ConfigError, RaydeckError
 from raydeck.jobs import JobServer
+from raydeck.preemption import QUEUE_ACTOR_NAME
 from raydeck.scheduling.queue import Observer
 from raydeck.scheduling.store import JobRow
 
 logger = logging.getLogger(__name__)
 
-ACTOR_NAME = "raydeck-queue"
+ACTOR_NAME = QUEUE_ACTOR_NAME
 DATABASE_URL_ENV = "RAYDECK_QUEUE_DATABASE_URL"
 DEFAULT_TICK_S = 2.0
 

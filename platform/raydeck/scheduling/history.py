@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 
 from raydeck.jobs import JOB_DIGEST_TAG
-from raydeck.scheduling.preemption import PREEMPTIONS_TAG
+from raydeck.preemption import PREEMPTIONS_TAG
 
 HISTORY_RUNS = 20
 _KEY = re.compile(r"^[0-9a-f]{1,64}$")

@@ -6,11 +6,11 @@ starts what the policy says), :class:`Team` and :class:`JobSpec`. The job server
 small :class:`Launcher` interface (:mod:`raydeck.scheduling.ray_jobs` is Ray's), so the queue's
 logic is the same in tests and on a cluster. Does not own: the Ray actor that hosts it
 (:mod:`raydeck.scheduling.actor`), the policies (:mod:`raydeck.scheduling.policies`) or the
-job's side of preemption (:mod:`raydeck.scheduling.preemption`).
+job's side of preemption (:mod:`raydeck.preemption`).
 
 Preemption: when the policy names victims for a job that cannot start, each becomes
 ``preempting``; the job learns it when it next commits a checkpoint
-(:mod:`raydeck.scheduling.preemption`), stops there and exits; the queue puts it back in the
+(:mod:`raydeck.preemption`), stops there and exits; the queue puts it back in the
 queue (same submission time, but behind the job it was stopped for, and not stopped again
 before it commits a new checkpoint: :mod:`raydeck.scheduling.preemption_rules`) and later
 starts it again as a new job-server job (``<id>-r<N>``) with the same MLflow run id, so it

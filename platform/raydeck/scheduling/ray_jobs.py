@@ -15,8 +15,8 @@ from typing import Any
 
 from raydeck.errors import JobSubmissionError
 from raydeck.jobs import JobServer
+from raydeck.preemption import QUEUE_JOB_ENV
 from raydeck.scheduling.policies import Resources
-from raydeck.scheduling.preemption import QUEUE_JOB_ENV
 from raydeck.scheduling.queue import Launcher
 from raydeck.scheduling.store import JobRow
 

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from starlette.responses import Response
 
     from raydeck.config import Settings
-    from raydeck.serving.app import ServeOptions
+    from raydeck.serving.options import ServeOptions
 
 logger = logging.getLogger(__name__)
 

@@ -5,9 +5,10 @@ The services of ``docker/docker-compose.yml`` as local processes: PostgreSQL, an
 (SeaweedFS), the MLflow server on both, a Ray head with token authentication, Prometheus and
 JupyterLab. ``services`` defines them (and is checked against the compose file), ``launchers``
 knows how to start and probe each, ``supervisor`` brings them up and down in order,
-``state``/``credentials`` own the state directory, and ``connection`` the file through which
-every raydeck process on the machine finds the running stack.
+``state`` owns the state directory.
 
-This package's ``__init__`` imports nothing: :mod:`raydeck.config` reads the connection file
-in every process, Ray workers included.
+Below this package, because every raydeck process reads them (:mod:`raydeck.config` in every
+process, Ray workers included): :mod:`raydeck.stack_connection`, the file through which every
+raydeck process on the machine finds the running stack, and :mod:`raydeck.stack_credentials`,
+the stack's secrets. This package's ``__init__`` imports nothing.
 """

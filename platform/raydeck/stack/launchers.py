@@ -23,10 +23,10 @@ import requests
 from raydeck.config import Settings, StorageSettings
 from raydeck.errors import StackError, StorageError
 from raydeck.stack import postgres
-from raydeck.stack.credentials import Credentials
 from raydeck.stack.processes import RunAs, free_port, port_free
 from raydeck.stack.services import LOOPBACK, MARKER_ENV, SERVICE_ENV, ServiceSpec, service
 from raydeck.stack.state import StackPaths, StackState
+from raydeck.stack_credentials import Credentials
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ environment variable one side sets and the other does not.
 
 The environments themselves are built by :mod:`raydeck.stack.launchers` with the compose file's
 variable names (``RAYDECK_*`` settings, ``RAY_AUTH_TOKEN``, ``PGPASSWORD``, ...), and the
-credentials file uses the names of ``docker/.env.example`` (:mod:`raydeck.stack.credentials`).
+credentials file uses the names of ``docker/.env.example`` (:mod:`raydeck.stack_credentials`).
 
 Does not own: starting anything (:mod:`raydeck.stack.supervisor`) or the state directory
 (:mod:`raydeck.stack.state`).
@@ -150,10 +150,6 @@ NOT_LOCAL: dict[str, str] = {
                "Prometheus with `raydeck dashboards push`",
 }
 
-# The credentials `raydeck up` generates, under docker/.env.example's names (compose needs
-# GRAFANA_ADMIN_PASSWORD too; the local stack runs no Grafana).
-SECRET_NAMES = ("RAY_AUTH_TOKEN", "RAYDECK_S3_SECRET_ACCESS_KEY", "POSTGRES_PASSWORD",
-                "JUPYTER_TOKEN")
 
 
 def service(name: str) -> ServiceSpec:

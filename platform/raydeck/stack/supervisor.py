@@ -32,19 +32,21 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from raydeck import stack_connection
+from raydeck import stack_credentials as credentials
 from raydeck.config import (
-    MLFLOW_TRACKING_URI_ENV,
     Settings,
     TrackingSettings,
     load_settings,
     load_settings_with_origins,
 )
 from raydeck.errors import ConfigError, StackError
-from raydeck.stack import connection, credentials, processes
+from raydeck.stack import processes
 from raydeck.stack.launchers import LAUNCHERS, Launcher, StackContext, process_env
 from raydeck.stack.processes import ProcessRecord
 from raydeck.stack.services import LOOPBACK, SERVICES, default_port, service
 from raydeck.stack.state import StackPaths, StackState, locked
+from raydeck.stack_connection import MLFLOW_TRACKING_URI_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ class Stack:
                  events: EventSink | None = None) -> None:
         self.settings = settings or load_settings(env=env)
         self.paths = StackPaths.for_data_dir(self.settings.data_dir)
-        self.stack_file = connection.stack_file(env)
+        self.stack_file = stack_connection.stack_file(env)
         self._env = env
         self._events = events or (lambda _service, _message: None)
 
@@ -208,7 +210,7 @@ class Stack:
                         credentials_file=self.paths.credentials)
 
     def _check_other_stack(self) -> None:
-        other = connection.read(self._env)
+        other = stack_connection.read(self._env)
         if other is None or other.state_dir == self.paths.root:
             return
         if processes.marked(str(other.state_dir)):
@@ -216,7 +218,7 @@ class Stack:
                 f"stack: another stack is up ({other.state_dir}) and owns the connection file "
                 f"{self.stack_file}; bring it down first (RAYDECK_DATA_DIR="
                 f"{other.state_dir.parent} raydeck down), or give this one its own: "
-                f"{connection.STACK_FILE_ENV}=PATH raydeck up")
+                f"{stack_connection.STACK_FILE_ENV}=PATH raydeck up")
 
     def _assign_ports(self, state: StackState, requested: dict[str, int], free_ports: bool,
                       running: set[str]) -> None:
@@ -314,7 +316,7 @@ class Stack:
         for launcher in LAUNCHERS:
             urls.update(launcher.urls(ctx))
         ray_address = f"{LOOPBACK}:{ctx.port('ray')}"
-        connection.StackConnection(
+        stack_connection.StackConnection(
             state_dir=self.paths.root, credentials_file=self.paths.credentials,
             ray_auth_token_file=self.paths.ray_auth_token, ray_address=ray_address,
             job_server=ctx.url("ray-dashboard"), urls=urls,
@@ -333,7 +335,7 @@ class Stack:
     def overridden(self) -> list[str]:
         """Settings whose value (from the environment or raydeck.toml) wins over the stack's,
         so raydeck commands here would not use the stack for them."""
-        conn = connection.read(self._env)
+        conn = stack_connection.read(self._env)
         if conn is None:
             return []
         mine, origins = load_settings_with_origins(env=self._env)
@@ -386,7 +388,7 @@ class Stack:
 
     def _remove_connection(self) -> None:
         try:
-            conn = connection.read(self._env)
+            conn = stack_connection.read(self._env)
         except ConfigError:
             return
         if conn is not None and conn.state_dir == self.paths.root and self.stack_file:

@@ -11,6 +11,7 @@ says what each fault does to a run's data.
 """
 
 from raydeck.tracking.attach import get_tracker
-from raydeck.tracking.tracker import NoOpTracker, Tracker
+from raydeck.tracking.noop import NoOpTracker
+from raydeck.tracking.tracker import Tracker
 
 __all__ = ["NoOpTracker", "Tracker", "get_tracker"]

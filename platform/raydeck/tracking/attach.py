@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import uuid
-from typing import Any
+from typing import Any, cast
 
 from raydeck.cluster import connect
 from raydeck.config import RUN_KEY_PATTERN, Settings, load_settings
@@ -33,7 +33,8 @@ from raydeck.tracking import lifecycle
 from raydeck.tracking.context import detect_process
 from raydeck.tracking.messages import AttachRequest, RunBinding
 from raydeck.tracking.modes import check_mode
-from raydeck.tracking.tracker import NoOpTracker, Tracker
+from raydeck.tracking.noop import NoOpTracker
+from raydeck.tracking.tracker import Tracker
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ def get_tracker(
     scope = (f"train:{process.train_run_name}" if process.train_run_name
              else f"trial:{process.trial_id}" if process.trial_id else "")
     with lifecycle.lock:
-        tracker = lifecycle.find(key, run_name, parent_run_id, scope)
+        # The registry holds only the trackers registered here.
+        tracker = cast(Tracker | None, lifecycle.find(key, run_name, parent_run_id, scope))
         attached = tracker is None
         if tracker is None:
             tracker = _attach_new(settings, process, key, run_name, experiment, requested_mode,

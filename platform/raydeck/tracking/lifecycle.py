@@ -26,10 +26,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from raydeck.tracking.tracker import Tracker
+from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +34,20 @@ SIGNAL_FINISH_TIMEOUT_S = 2.5
 TRAIN_HANDOFF_TIMEOUT_S = 4.0
 
 
+class LiveTracker(Protocol):
+    """What the registry needs of a tracker (a :class:`~raydeck.tracking.tracker.Tracker`;
+    typed by its shape so this module, which the tracker uses, never imports it)."""
+
+    @property
+    def run_key(self) -> str: ...
+
+    def finish(self, status: str = "FINISHED", timeout_s: float | None = None,
+               wait: bool = True) -> Any: ...
+
+
 @dataclass
 class _Entry:
-    tracker: Tracker
+    tracker: LiveTracker
     key: str | None
     run_name: str | None
     parent: str | None
@@ -54,19 +62,19 @@ _uncaught_exception = False
 _previous_handlers: dict[int, Any] = {}
 
 
-def register(tracker: Tracker, key: str | None, run_name: str | None, parent: str | None,
+def register(tracker: LiveTracker, key: str | None, run_name: str | None, parent: str | None,
              scope: str) -> None:
     with lock:
         _entries.append(_Entry(tracker, key, run_name, parent, scope))
 
 
-def forget(tracker: Tracker) -> None:
+def forget(tracker: LiveTracker) -> None:
     with lock:
         _entries[:] = [entry for entry in _entries if entry.tracker is not tracker]
 
 
 def find(key: str | None, run_name: str | None, parent: str | None, scope: str
-         ) -> Tracker | None:
+         ) -> LiveTracker | None:
     """The active tracker this process already has for that identity, newest first.
 
     - ``key`` given: the tracker of that run key.
@@ -88,7 +96,7 @@ def find(key: str | None, run_name: str | None, parent: str | None, scope: str
     return None
 
 
-def active() -> list[Tracker]:
+def active() -> list[LiveTracker]:
     with lock:
         return [entry.tracker for entry in _entries]
 

@@ -220,3 +220,35 @@ class LandedReport:
     landed: bool
     pending: Pending
     dead_letters: tuple[DeadLetter, ...] = ()
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """What a shard needs to run; built by the router from raydeck's settings."""
+
+    index: int
+    tracking_uri: str
+    spool_dir: str
+    fsync: bool
+    writers: int
+    env: dict[str, str] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class IngestResult:
+    """``ingest``'s answer. ``missing_uploads``: send these files' bytes again, then the batch."""
+
+    accepted: bool
+    missing_uploads: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A run key as MLflow knows it: what ``Tracker.run_id`` and friends report."""
+
+    run_id: str
+    experiment_id: str
+    mode: str
+    name: str
+    resumed: bool
+    params: dict[str, str]

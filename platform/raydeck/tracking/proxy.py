@@ -23,16 +23,16 @@ import ray
 
 from raydeck.config import Settings
 from raydeck.errors import TrackingUnavailableError
-from raydeck.tracking.messages import AttachRequest, RunBinding
+from raydeck.tracking.liveness import ray_liveness
+from raydeck.tracking.messages import AttachRequest, RunBinding, ShardConfig
 from raydeck.tracking.router import (
     REAP_INTERVAL_S,
     Control,
-    MlflowLookup,
     ProxyConfig,
     RouterCore,
-    ray_liveness,
 )
-from raydeck.tracking.shard import Shard, ShardConfig
+from raydeck.tracking.run_lookup import MlflowLookup
+from raydeck.tracking.shard_actor import Shard
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,6 @@ Rules:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -40,20 +39,13 @@ from raydeck.config import RUN_KEY_PATTERN
 from raydeck.errors import ConfigError
 from raydeck.redaction import redact_text
 from raydeck.tracking.messages import AttachRequest, OpenRun, ProcessInfo, RunBinding
+from raydeck.tracking.run_lookup import Lookup, looks_like_run_id
 
 logger = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 1.0
 HEARTBEAT_INTERVAL_S = 5.0
 SUSPECT_AFTER_S = 2.5 * HEARTBEAT_INTERVAL_S
-LOOKUP_BACKOFF_S = 10.0
-# The router's own MLflow calls (looking a run key up when a tracker attaches) fail fast: an
-# unknown answer is fine, the shard creates or finds the run later.
-ROUTER_MLFLOW_ENV = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
-    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-}
 RANK_TAGS = ("raydeck.rank", "raydeck.node", "raydeck.role")
 
 
@@ -75,17 +67,6 @@ class ProxyConfig:
     lost_after_s: float
     idle_timeout_s: float
     env: dict[str, str] = field(default_factory=dict, repr=False)
-
-
-@dataclass(frozen=True)
-class Lookup:
-    """What MLflow said about a run key: ``known`` False means MLflow did not answer."""
-
-    known: bool
-    run_id: str = ""
-    name: str = ""
-    mode: str = ""
-    params: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -180,7 +161,7 @@ class RouterCore:
             raise ConfigError(f"run id {key!r}: may hold 1-128 letters, digits, _ . - only")
         if run is None:
             found = self._lookup(key, request.experiment)
-            if found.known and not found.run_id and _looks_like_run_id(key):
+            if found.known and not found.run_id and looks_like_run_id(key):
                 raise ConfigError(
                     f"run id {key!r} looks like an MLflow run id, but MLflow at "
                     f"{redact_text(self.config.tracking_uri)} has no such run; pass an existing "
@@ -480,67 +461,3 @@ class RouterCore:
 def _check_status(status: str) -> None:
     if status not in ("FINISHED", "FAILED", "KILLED"):
         raise ConfigError(f"status={status!r}: must be FINISHED, FAILED or KILLED")
-
-
-class MlflowLookup:
-    """Finds run keys in MLflow for the router: fast, and silent while MLflow is down."""
-
-    def __init__(self, tracking_uri: str) -> None:
-        from raydeck.tracking.writer import MlflowWriter
-
-        os.environ.update(ROUTER_MLFLOW_ENV)
-        self._writer = MlflowWriter(tracking_uri)
-        os.environ.update(ROUTER_MLFLOW_ENV)  # the writer sets its own; the router's win here
-        self._failed_at = 0.0
-
-    def __call__(self, key: str, experiment: str) -> Lookup:
-        from raydeck.tracking.writer import PermanentWriteError, TransientWriteError
-
-        if time.monotonic() - self._failed_at < LOOKUP_BACKOFF_S:
-            return Lookup(known=False)
-        try:
-            exp = self._writer.client.get_experiment_by_name(experiment)
-            ids = [exp.experiment_id] if exp is not None else []
-            found = self._writer.find_run(key, ids) if ids or _looks_like_run_id(key) else None
-        except (TransientWriteError, PermanentWriteError, Exception) as exc:
-            self._failed_at = time.monotonic()
-            logger.warning("MLflow did not answer a run lookup (%s); the run is bound now and "
-                           "created or found when MLflow answers", redact_text(str(exc))[:200])
-            return Lookup(known=False)
-        if found is None:
-            return Lookup(known=True)
-        return Lookup(known=True, run_id=found.info.run_id, name=found.info.run_name or "",
-                      mode=found.data.tags.get("raydeck.mode", ""),
-                      params=dict(found.data.params))
-
-
-def _looks_like_run_id(key: str) -> bool:
-    return len(key) == 32 and all(c in "0123456789abcdef" for c in key)
-
-
-def ray_liveness(processes: list[ProcessInfo], suspects: list[ProcessInfo]) -> set[str]:
-    """Which participants Ray says are gone: their job ended, or (suspects) their actor died.
-
-    Asking Ray (its control store) instead of trusting silence alone means a process that is
-    alive but slow to beat is never dropped, and a killed actor is dropped within seconds.
-    """
-    import ray._private.state as ray_state
-
-    result: set[str] = set()
-    try:
-        dead_jobs = {job["JobID"] for job in ray_state.jobs() if job.get("IsDead")}
-    except Exception:
-        dead_jobs = set()
-    for process in processes:
-        if process.job_id in dead_jobs:
-            result.add(process.role_key)
-    for process in suspects:
-        if process.actor_id is None or process.role_key in result:
-            continue
-        try:
-            info = ray_state.state.actor_table(process.actor_id)
-        except Exception:
-            continue
-        if info and info.get("State") == "DEAD":
-            result.add(process.role_key)
-    return result

@@ -1,13 +1,17 @@
-"""A queued job's side of preemption: telling the queue of each committed checkpoint, and
-learning there that it should stop (as Determined's ``should_preempt()``).
+"""The training runtime's preemption signal: a queued job tells the queue of each committed
+checkpoint and learns there that it should stop (as Determined's ``should_preempt()``).
+
+This module sits below tracking and scheduling: the queue (:mod:`raydeck.scheduling`)
+implements :class:`PreemptionQueue` as a named actor, and the tracker
+(``Tracker.should_preempt``), ``report_epoch``, the Lightning callback and the training driver
+(:func:`raydeck.training.end_if_preempted`) consume the answer; none of them imports the queue.
 
 Owns: ``RAYDECK_QUEUE_JOB`` (the queue's id of the job, set in the job's runtime env when the
-queue starts it), :func:`checkpoint_committed` (every rank calls it after a committed
-checkpoint; rank 0 tells the queue and every rank gets rank 0's answer, so all ranks stop at the
-same epoch), :func:`stop_requested` (that answer, for the training loop) and
-:func:`end_if_preempted` (the driver, once training returned: record the preemption on the run,
-end it KILLED and raise, so the job exits unfinished and the queue starts it again; or tell the
-queue that training ran to its end).
+queue starts it), the queue actor's name, :func:`checkpoint_committed` (every rank calls it
+after a committed checkpoint; rank 0 tells the queue and every rank gets rank 0's answer, so all
+ranks stop at the same epoch), :func:`stop_requested` (that answer, for the training loop) and
+:func:`stopped_for_queue` (the driver, once training returned: whether its workers stopped for
+the queue and which preemption it was; or tell the queue that training ran to its end).
 
 Contract: a job the queue did not start makes no call and is never asked to stop. A queue that
 cannot be reached answers "go on" (logged): a queue outage never stops training. The handshake
@@ -22,16 +26,15 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from raydeck.errors import JobPreemptedError
-
-if TYPE_CHECKING:
-    from raydeck.tracking.tracker import Tracker
+from raydeck.config import load_settings
 
 logger = logging.getLogger(__name__)
 
 QUEUE_JOB_ENV = "RAYDECK_QUEUE_JOB"
+# The queue's detached actor, in the settings' Ray namespace.
+QUEUE_ACTOR_NAME = "raydeck-queue"
 QUEUE_CALL_TIMEOUT_S = 10.0
 # Where a rank told to stop leaves word for its driver: key ``<prefix><Ray job id>``.
 KV_NAMESPACE = "raydeck"
@@ -41,6 +44,24 @@ PREEMPTED_EXIT_CODE = 75
 # On the run of a preempted job: how many times, and where each stopped.
 PREEMPTIONS_TAG = "raydeck.preemptions"
 PREEMPTION_TAG_PREFIX = "raydeck.preemption."
+
+
+
+class PreemptionQueue(Protocol):
+    """What the queue's actor answers a job (each as ``(ok, value)``, through Ray)."""
+
+    def checkpointed(self, job_id: str) -> tuple[bool, bool]:
+        """A checkpoint of ``job_id`` committed: whether it should stop now."""
+        ...
+
+    def preempted(self, job_id: str) -> tuple[bool, int | None]:
+        """Which preemption of ``job_id`` stopped it, None when it was not told to stop."""
+        ...
+
+    def completed(self, job_id: str) -> tuple[bool, None]:
+        """``job_id`` trained to its end: it was not stopped, whatever it was told."""
+        ...
+
 
 _stop_requested = False
 _handle: Any = None
@@ -60,14 +81,13 @@ def _call(method: str, job_id: str) -> tuple[bool, Any]:
     """Call the queue actor: ``(True, its answer)``, or ``(False, None)`` when it cannot be
     reached in ``QUEUE_CALL_TIMEOUT_S`` or refuses."""
     global _handle
+    # Deferred for start-up time: the queue's side imports this module's constants, and Ray
+    # only matters to a queued job, which has imported it already.
     import ray
-
-    from raydeck.config import load_settings
-    from raydeck.scheduling.actor import ACTOR_NAME
 
     try:
         if _handle is None:
-            _handle = ray.get_actor(ACTOR_NAME, namespace=load_settings().ray_namespace)
+            _handle = ray.get_actor(QUEUE_ACTOR_NAME, namespace=load_settings().ray_namespace)
         ok, value = ray.get(getattr(_handle, method).remote(job_id),
                             timeout=QUEUE_CALL_TIMEOUT_S)
     except Exception as exc:
@@ -100,37 +120,22 @@ def stop_requested() -> bool:
     return _stop_requested
 
 
-def end_if_preempted(tracker: Tracker, result: Any) -> None:
-    """After Ray Train returned in a queued job's driver: if its workers stopped because the
-    queue asked them to (their word in the key-value store, or the queue's confirmation:
-    either suffices), tag the run (``raydeck.preemptions``, ``raydeck.preemption.<N>`` when
-    the queue confirms which preemption it was), end it KILLED (the next attempt marks it running
-    again) and raise. A job that finished before any rank was told goes on as finished, and
-    the queue is told so (``completed``) when it answered.
-
-    Raises:
-        JobPreemptedError: the job stopped at a checkpoint for the queue.
+def stopped_for_queue() -> tuple[bool, int | None]:
+    """In a queued job's driver once Ray Train returned: whether its workers stopped because
+    the queue asked them to (their word in the key-value store, or the queue's confirmation:
+    either suffices), and which preemption of the job it was (1 for the first; None when the
+    queue did not confirm). A job the queue did not start answers ``(False, None)``; a job that
+    ran to its end tells the queue so (``completed``) when the queue answers.
     """
     job_id = queue_job_id()
     if job_id is None:
-        return
+        return False, None
     answered, number = _call("preempted", job_id)
     if number is None and not _workers_stopped():
         if answered:
             _call("completed", job_id)
-        return
-    epoch = (result.metrics or {}).get("epoch")
-    where = f"stopped after epoch {epoch}" if epoch is not None else "stopped at a checkpoint"
-    if number is None:
-        logger.warning("job %s: its workers stopped for the queue, which did not confirm it "
-                       "(the run is not tagged with the preemption's number)", job_id)
-    else:
-        tracker.set_tags({PREEMPTIONS_TAG: number, f"{PREEMPTION_TAG_PREFIX}{number}": where},
-                         strict=False)
-    tracker.finish("KILLED")
-    raise JobPreemptedError(f"job {job_id}: preempted by the queue ({where}, preemption "
-                            f"{number or '(unconfirmed)'}); it resumes from that checkpoint in "
-                            f"run {tracker.run_id}")
+        return False, None
+    return True, number
 
 
 def _stopped_key() -> str:
@@ -163,6 +168,7 @@ def _workers_stopped() -> bool:
 
 def _agree(value: bool) -> bool:
     """Rank 0's ``value`` on every rank of the job's process group."""
+    # Deferred for start-up time: torch is imported only by a process that trains.
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:

@@ -30,9 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from raydeck.config import MLFLOW_TRACKING_URI_ENV, Secret
-from raydeck.errors import ConfigError
+from raydeck.errors import ConfigError, StackError
+from raydeck.secrets import Secret
+from raydeck.stack_credentials import read as read_credentials
 
+# MLflow's own variable: the tracking URI when raydeck's settings name none; it wins over
+# the stack's [tracking].uri.
+MLFLOW_TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
 STACK_FILE_ENV = "RAYDECK_STACK_FILE"
 FILE_NAME = "stack.toml"
 FILE_MODE = 0o600
@@ -107,11 +111,8 @@ class StackConnection:
 
     def s3_secret(self) -> Secret:
         """The S3 secret from the credentials file (empty if this process cannot read it)."""
-        from raydeck.errors import StackError
-        from raydeck.stack.credentials import read
-
         try:
-            return read(self.credentials_file).s3_secret_access_key
+            return read_credentials(self.credentials_file).s3_secret_access_key
         except StackError:
             return Secret()
 

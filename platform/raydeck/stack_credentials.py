@@ -7,7 +7,7 @@ The file is ``<state dir>/credentials.env`` in the format and with the names of
 the same values could seed a compose deployment. It is created with mode 0600 (``O_EXCL``: never
 over an existing one) and re-tightened to 0600 whenever it is read.
 
-Values are :class:`~raydeck.config.Secret` objects: ``repr`` and ``str`` never show them, and
+Values are :class:`~raydeck.secrets.Secret` objects: ``repr`` and ``str`` never show them, and
 :func:`mask` replaces each one in text a person will read (``raydeck logs``, error lines).
 """
 
@@ -20,11 +20,14 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from raydeck.config import Secret
 from raydeck.errors import StackError
-from raydeck.stack.services import SECRET_NAMES
+from raydeck.secrets import Secret
 
 FILE_MODE = 0o600
+# The credentials `raydeck up` generates, under docker/.env.example's names (compose needs
+# GRAFANA_ADMIN_PASSWORD too; the local stack runs no Grafana).
+SECRET_NAMES = ("RAY_AUTH_TOKEN", "RAYDECK_S3_SECRET_ACCESS_KEY", "POSTGRES_PASSWORD",
+                "JUPYTER_TOKEN")
 ACCESS_KEY_ID = "raydeck"
 ACCESS_KEY_ID_NAME = "RAYDECK_S3_ACCESS_KEY_ID"
 # 32 random bytes as hex for every secret (MinIO and SeaweedFS accept 8-40+ characters).

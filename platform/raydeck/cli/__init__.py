@@ -1,0 +1,1 @@
+"""raydeck's command line (``raydeck ...``): the top layer, free to import every other."""
