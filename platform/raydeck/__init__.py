@@ -60,9 +60,9 @@ _LAZY = {
 # (``raydeck.checkpointing.restore(...)``) and imported on first use only.
 _SUBMODULES = (
     "checkpointing", "cluster", "config", "errors", "examples", "integrations", "jobs", "models",
-    "observability", "preemption", "redaction", "runtime_env", "scaling", "scheduling", "secrets",
-    "serving", "stack", "stack_connection", "stack_credentials", "storage", "tracking",
-    "training", "tune",
+    "observability", "package_data", "preemption", "redaction", "runtime_env", "scaling",
+    "scheduling", "secrets", "serving", "stack", "stack_connection", "stack_credentials",
+    "storage", "tracking", "training", "tune",
 )
 __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _LAZY)
 

@@ -31,7 +31,7 @@ DirOption = typer.Option(None, "--dir", show_default=False,
 
 
 def _directory(given: Path | None) -> Path:
-    from raydeck._internal.data_files import default_path
+    from raydeck.package_data import default_path
 
     return given or default_path(DEFAULT_DIR)
 
@@ -43,9 +43,9 @@ def render(
                                help="Write nothing; exit 1 if the committed files are stale."),
 ) -> None:
     """Regenerate the dashboards' JSON, the alert rules and the provisioning files."""
-    from raydeck._internal.data_files import is_packaged
     from raydeck.errors import ConfigError
     from raydeck.observability.dashboards import render as render_files
+    from raydeck.package_data import is_packaged
 
     directory = _directory(directory)
     if not check and is_packaged(directory):

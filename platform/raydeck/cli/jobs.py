@@ -78,7 +78,6 @@ def submit(
     """
     from pathlib import Path
 
-    from raydeck._internal.data_files import default_path
     from raydeck.config import RUN_KEY_PATTERN, load_settings
     from raydeck.errors import ConfigError
     from raydeck.jobs import (
@@ -93,6 +92,7 @@ def submit(
         submit_job,
     )
     from raydeck.observability.prometheus import parse_duration
+    from raydeck.package_data import default_path
     from raydeck.redaction import redact_text, redact_url
     from raydeck.runtime_env import load_runtime_env
     from raydeck.scaling import check_feasible, get_preset

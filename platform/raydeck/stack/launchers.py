@@ -117,7 +117,7 @@ class StackContext:
 def repository_path(relative: Path) -> Path | None:
     """``relative`` in the checkout raydeck runs from (editable install), the current dir, or
     the files installed with raydeck (``raydeck/_data``: runtime envs, dashboards, rules)."""
-    from raydeck._internal.data_files import packaged_path
+    from raydeck.package_data import packaged_path
 
     package_root = Path(__file__).resolve().parents[3]
     for base in (package_root, Path.cwd()):

@@ -35,7 +35,7 @@ def packaged_path(relative: str | Path) -> Path | None:
 
 def checkout_path(relative: str | Path) -> Path | None:
     """``relative`` in the checkout raydeck is imported from (an editable install), if any."""
-    root = Path(__file__).resolve().parents[3]  # <root>/platform/raydeck/_internal/this
+    root = Path(__file__).resolve().parents[2]  # <root>/platform/raydeck/this
     if (root / "pyproject.toml").is_file() and (root / relative).exists():
         return root / relative
     return None
