@@ -131,7 +131,8 @@ class TrackingSettings(_Section):
     lost_after_s: float = setting(60.0, "A process silent this long is presumed dead")
     idle_timeout_s: float = setting(900.0, "The proxy stops itself after this long with no work")
     system_metrics_interval_s: float = setting(10.0, "System metrics sampling period; 0 is off")
-    capture_logs: bool = setting(True, "Upload each rank's stdout/stderr as logs/rank_<i>.txt")
+    capture_logs: bool = setting(
+        True, "Upload each rank's stdout/stderr as logs/rank_<i>/part-<id>.txt")
     nonfinite: str = setting(
         "keep", "NaN/inf metric values: keep (stored as MLflow stores them) or error (reject)")
     cross_rank_stats: bool = setting(
