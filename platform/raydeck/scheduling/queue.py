@@ -77,7 +77,7 @@ from raydeck.scheduling.policies import (
     RunningJob,
     make_policy,
 )
-from raydeck.scheduling.reconcile import PREEMPT_GRACE_S, verdict
+from raydeck.scheduling.reconcile import PREEMPT_GRACE_S, free_capacity, verdict
 from raydeck.scheduling.reconcile import queued as _queued
 from raydeck.scheduling.reconcile import refused as _refused
 from raydeck.scheduling.reconcile import running as _running
@@ -189,7 +189,7 @@ class JobQueue:
             raise ConfigError(f"job {spec.id} is already in the queue ({previous.state}); "
                               f"`raydeck cancel {spec.id}` takes it out")
         attempt = previous.attempt + 1 if previous is not None else 0
-        self._refuse_known(spec.id, submission_id(spec.id, attempt))
+        self._submitter.refuse_known(spec.id, submission_id(spec.id, attempt))
         # History beats a guess: the user's estimate counts only for a job never run before.
         estimate = self.predict(spec.key) or spec.estimate_s or DEFAULT_ESTIMATE_S
         row = JobRow(id=spec.id, team=spec.team, priority=spec.priority, cpus=spec.needs.cpus,
@@ -208,21 +208,6 @@ class JobQueue:
             if not self._store.add(row, replacing=previous.attempt if previous else None):
                 raise ConfigError(f"job {spec.id} was queued meanwhile by another submission")
         return JobView.of(row)
-
-    def _refuse_known(self, job_id: str, sid: str) -> None:
-        """Refuse ``job_id`` when the job server already has a job ``sid`` (started outside
-        the queue): the queue would otherwise take that job's status as its own. A job server
-        that cannot be asked now refuses nothing (its check would only delay the queue)."""
-        try:
-            status = self._launcher.status(sid)
-        except Exception as exc:
-            logger.warning("cannot ask the job server whether it has %s (%s); queued anyway",
-                           sid, classify(exc).reason)
-            return
-        if status is not None:
-            raise ConfigError(f"job {job_id}: the job server already has a job {sid} "
-                              f"({status}) that the queue did not start; queue it under "
-                              "another id (a new run: leave out --run-id)")
 
     def predict(self, key: str) -> float | None:
         """Predicted duration of a job from earlier runs of the same job (same job file,
@@ -500,17 +485,8 @@ class JobQueue:
                               f"({classify(exc).reason}); try again") from None
 
     def _free(self, active: list[JobRow]) -> tuple[Capacity, Resources]:
-        """Free (per node, and a pool) and total resources, ``active`` being the queue's
-        started jobs."""
-        free_nodes, total_nodes = self._resources()
-        available, total = Resources.total(free_nodes), Resources.total(total_nodes)
-        held = Resources()
-        for row in active:
-            held = held + Resources(row.cpus, row.gpus)
-        by_reservation = total - held
-        pool = Resources(min(available.cpus, by_reservation.cpus),
-                         min(available.gpus, by_reservation.gpus))
-        return Capacity(pool, free_nodes), total
+        """Free (per node, and a pool) and total resources (:func:`free_capacity`)."""
+        return free_capacity(*self._resources(), active)
 
     def _claiming(self, active: list[JobRow], queued: list[QueuedJob], now: float
                   ) -> list[QueuedJob]:

@@ -2,7 +2,8 @@
 as the policies see them.
 
 Owns: :func:`verdict` (a pure decision: the queue applies it under its lock and makes any call
-to the job server outside it, :mod:`raydeck.scheduling.queue`) and the conversions from a
+to the job server outside it, :mod:`raydeck.scheduling.queue`), the resources a queued job may
+use (:func:`free_capacity`) and the conversions from a
 stored :class:`~raydeck.scheduling.store.JobRow` to a policy's
 :class:`~raydeck.scheduling.policies.QueuedJob` / ``RunningJob``.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raydeck.scheduling.policies import Gang, QueuedJob, Resources, RunningJob
+from raydeck.scheduling.policies import Capacity, Gang, QueuedJob, Resources, RunningJob
 from raydeck.scheduling.store import JobRow
 
 PREEMPT_GRACE_S = 300.0
@@ -79,3 +80,18 @@ def running(row: JobRow, now: float) -> RunningJob:
     """``row`` as a policy sees a started job."""
     return RunningJob(queued(row), row.started_at or now, row.checkpoint_at,
                       resumed=row.preemptions > 0)
+
+
+def free_capacity(free_nodes: tuple[Resources, ...], total_nodes: tuple[Resources, ...],
+                  active: list[JobRow]) -> tuple[Capacity, Resources]:
+    """Free (per node, and a pool) and total resources, ``active`` being the queue's started
+    jobs: the pool is the smaller of what is free now (jobs outside the queue count) and the
+    total less what ``active`` holds (a job just started may not have claimed its own yet)."""
+    available, total = Resources.total(free_nodes), Resources.total(total_nodes)
+    held = Resources()
+    for row in active:
+        held = held + Resources(row.cpus, row.gpus)
+    by_reservation = total - held
+    pool = Resources(min(available.cpus, by_reservation.cpus),
+                     min(available.gpus, by_reservation.gpus))
+    return Capacity(pool, free_nodes), total

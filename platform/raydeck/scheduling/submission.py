@@ -1,6 +1,7 @@
 """Submitting a queued job to the job server and recording what came of it.
 
-Owns: :class:`Submitter`, the queue's one way to submit (from its tick, and again for a job
+Owns: :class:`Submitter`, the check that a new job's id is not the job server's already, and
+the queue's one way to submit (from its tick, and again for a job
 recorded ``starting`` that was never submitted). The submission runs without the queue's lock;
 its outcome is recorded under it, only if the job is still the one submitted (not cancelled or
 restarted meanwhile). A failure is classified (:func:`~raydeck.scheduling.failures.classify`)
@@ -16,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from raydeck.errors import ConfigError
 from raydeck.scheduling.failures import Backoff, Failure, classify
 from raydeck.scheduling.launcher import Launcher
 from raydeck.scheduling.store import JobRow, Store
@@ -31,6 +33,21 @@ class Submitter:
     launcher: Launcher
     backoff: Backoff
     lock: threading.RLock
+
+    def refuse_known(self, job_id: str, sid: str) -> None:
+        """Refuse ``job_id`` when the job server already has a job ``sid`` (started outside
+        the queue): the queue would otherwise take that job's status as its own. A job server
+        that cannot be asked now refuses nothing (its check would only delay the queue)."""
+        try:
+            status = self.launcher.status(sid)
+        except Exception as exc:
+            logger.warning("cannot ask the job server whether it has %s (%s); queued anyway",
+                           sid, classify(exc).reason)
+            return
+        if status is not None:
+            raise ConfigError(f"job {job_id}: the job server already has a job {sid} "
+                              f"({status}) that the queue did not start; queue it under "
+                              "another id (a new run: leave out --run-id)")
 
     def start(self, row: JobRow, now: float) -> bool:
         """Submit ``row`` (recorded ``starting``); whether it started. A job cancelled while
