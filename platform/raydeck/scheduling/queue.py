@@ -442,7 +442,7 @@ class JobQueue:
             self._preempt(waiting, preempted_for, running, free, now)
         return started
 
-    def _preempt(self, waiting: list[QueuedJob], preempted_for: set[str],
+    def _preempt(self, waiting: list[QueuedJob], preempted_for: Mapping[str, str],
                  running: list[RunningJob], free: Capacity, now: float) -> None:
         """Ask the policy's victims for the first of ``waiting`` that cannot start to stop at
         their next checkpoint (under the lock)."""

@@ -13,9 +13,10 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
+    CursorResult,
     Engine,
     Float,
     Integer,
@@ -187,13 +188,12 @@ class Store:
         """Delete the jobs that ended before ``ended_before``, then the packages no job left
         names; how many of each."""
         with self._session() as session:
-            jobs = session.execute(
-                delete(JobRow).where(JobRow.state.in_(ENDED), JobRow.ended_at < ended_before)
-            ).rowcount
+            jobs = cast(CursorResult[Any], session.execute(
+                delete(JobRow).where(JobRow.state.in_(ENDED), JobRow.ended_at < ended_before)))
             used = select(JobRow.package_uri).where(JobRow.package_uri != "")
-            packages = session.execute(
-                delete(PackageRow).where(PackageRow.uri.not_in(used))).rowcount
-            return jobs, packages
+            packages = cast(CursorResult[Any], session.execute(
+                delete(PackageRow).where(PackageRow.uri.not_in(used))))
+            return jobs.rowcount, packages.rowcount
 
     def get(self, job_id: str) -> JobRow | None:
         with self._session() as session:
