@@ -130,7 +130,7 @@ class _TwoNodes(Launcher):
         self.running.append(row.id)
 
     def status(self, submission_id: str) -> str | None:
-        return "RUNNING"
+        return "RUNNING" if submission_id in self.running else None  # as Ray's: None unknown
 
     def stop(self, submission_id: str) -> None:
         raise AssertionError("nothing is stopped here")

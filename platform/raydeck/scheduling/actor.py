@@ -7,7 +7,10 @@ and duplicates nothing; its database is SQLite in the head's ``RAYDECK_DATA_DIR`
 ``RAYDECK_QUEUE_DATABASE_URL`` (on the head) names another (PostgreSQL).
 
 Calls answer ``(True, value)`` or ``(False, message)``: a refusal is one line for the CLI, not
-a Ray traceback.
+a Ray traceback. Calls run concurrently (``max_concurrency``) with the tick: the queue's own lock
+is never held across a call to the job server or MLflow (:mod:`raydeck.scheduling.queue`), and
+every job-server call is bounded (:class:`~raydeck.scheduling.launcher.TimedLauncher`). The
+CLI's calls pass their job server (address and token), which the actor uses from then on.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 from raydeck.errors import ConfigError, RaydeckError
 from raydeck.jobs import JobServer
 from raydeck.preemption import QUEUE_ACTOR_NAME
-from raydeck.scheduling.queue import Observer
+from raydeck.scheduling.launcher import Observer
 from raydeck.scheduling.store import JobRow
 
 logger = logging.getLogger(__name__)
@@ -36,7 +39,8 @@ class QueueActor:
 
     def __init__(self, server: JobServer, tick_s: float = DEFAULT_TICK_S) -> None:
         from raydeck.config import load_settings
-        from raydeck.scheduling.history import mlflow_durations
+        from raydeck.scheduling.history import MlflowHistory
+        from raydeck.scheduling.launcher import TimedLauncher
         from raydeck.scheduling.queue import JobQueue
         from raydeck.scheduling.ray_jobs import RayJobs
         from raydeck.scheduling.store import Store
@@ -45,11 +49,9 @@ class QueueActor:
         settings = load_settings()
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         url = os.environ.get(DATABASE_URL_ENV) or f"sqlite:///{settings.data_dir / 'queue.db'}"
-        self._lock = threading.Lock()
-        uri = settings.tracking.uri
-        history = ((lambda key: mlflow_durations(uri, key)) if settings.tracking.enabled
-                   else None)
-        self._queue = JobQueue(Store(url), RayJobs(server), observer=QueueMetrics(),
+        history = MlflowHistory(settings.tracking.uri) if settings.tracking.enabled else None
+        self._jobs = RayJobs(server)
+        self._queue = JobQueue(Store(url), TimedLauncher(self._jobs), observer=QueueMetrics(),
                                history=history)
         self._stop = threading.Event()
         self._tick_s = tick_s
@@ -58,32 +60,36 @@ class QueueActor:
     def _loop(self) -> None:
         while not self._stop.wait(self._tick_s):
             try:
-                with self._lock:
-                    started = self._queue.tick()
+                started = self._queue.tick()
                 if started:
                     logger.info("started %s", ", ".join(started))
             except Exception:
                 # The job server or the database is briefly unreachable: try at the next tick.
                 logger.exception("queue tick failed; retrying in %.0f s", self._tick_s)
 
-    def _call(self, fn: Callable[[], Any]) -> tuple[bool, Any]:
+    def _call(self, fn: Callable[[], Any], server: JobServer | None = None
+              ) -> tuple[bool, Any]:
+        """``fn()``'s answer; ``server``: the caller's job server, used from now on."""
+        if server is not None:
+            self._jobs.use(server)
         try:
-            with self._lock:
-                return True, fn()
+            return True, fn()
         except RaydeckError as exc:
             return False, str(exc)
 
-    def submit(self, spec: Any, package: bytes | None) -> tuple[bool, Any]:
-        return self._call(lambda: self._queue.submit(spec, package))
+    def submit(self, spec: Any, package: bytes | None, server: JobServer | None = None
+               ) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.submit(spec, package), server)
 
-    def cancel(self, job_id: str) -> tuple[bool, Any]:
-        return self._call(lambda: self._queue.cancel(job_id))
+    def cancel(self, job_id: str, server: JobServer | None = None) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.cancel(job_id), server)
 
-    def listing(self) -> tuple[bool, Any]:
-        return self._call(lambda: (self._queue.policy_name(), self._queue.listing()))
+    def listing(self, server: JobServer | None = None) -> tuple[bool, Any]:
+        return self._call(lambda: (self._queue.policy_name(), self._queue.listing()), server)
 
     def configure(self, policy: str | None, aging_s: float | None,
-                  teams: dict[str, Any] | None) -> tuple[bool, Any]:
+                  teams: dict[str, Any] | None, server: JobServer | None = None
+                  ) -> tuple[bool, Any]:
         def apply() -> str:
             if teams is not None:
                 self._queue.set_teams(teams)
@@ -91,7 +97,7 @@ class QueueActor:
                 self._queue.set_policy(policy or self._queue.policy_name(), aging_s)
             return self._queue.policy_name()
 
-        return self._call(apply)
+        return self._call(apply, server)
 
     def tick(self) -> tuple[bool, Any]:
         return self._call(self._queue.tick)

@@ -6,7 +6,8 @@ gang as its resources, a key naming "the same job" for duration prediction, and 
 zipped here, as Ray's job client would, so the queue can start it hours later), checking the
 runtime env now the way Ray's job client will check it on the head (:func:`head_runtime_env`),
 and the calls to the queue actor. Every function that calls the queue connects to the cluster
-first.
+first, passes its job server (the actor uses the latest caller's address and token) and waits at
+most ``CALL_TIMEOUT_S`` for the answer (:func:`call`).
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ from typing import Any
 
 from raydeck.cluster import connect_running
 from raydeck.config import Settings
-from raydeck.errors import ConfigError
+from raydeck.errors import ClusterUnavailableError, ConfigError
 from raydeck.jobs import JobRequest, JobServer, submitted_metadata, submitted_runtime_env
 from raydeck.scheduling.actor import ACTOR_NAME, answer, queue_handle
+from raydeck.scheduling.jobspec import DEFAULT_TEAM, JobSpec
+from raydeck.scheduling.listing import Entry
 from raydeck.scheduling.policies import Gang
-from raydeck.scheduling.queue import DEFAULT_TEAM, Entry, JobSpec
 from raydeck.scheduling.store import JobView
 
 logger = logging.getLogger(__name__)
 
 # How long ``raydeck jobs`` waits for the queue's answer before listing without it.
 REFUSED_TIMEOUT_S = 30.0
+# How long a queue command waits for the actor: longer than its slowest answer (a submission
+# asks the job server twice, each bounded at 30 s, and MLflow twice, each bounded at 20 s).
+CALL_TIMEOUT_S = 150.0
 # What to do about a runtime env field the head would refuse (Ray's message says what is wrong).
 _FIXES = {
     "py_modules": "use working_dir (it travels with the job) or a remote URI (s3://.../x.zip)",
@@ -142,32 +147,47 @@ def job_spec(request: JobRequest, settings: Settings, team: str, priority: int,
 
 def enqueue(settings: Settings, server: JobServer, spec: JobSpec, package: bytes | None
             ) -> JobView:
-    import ray
-
     connect_running(settings.ray_address)
     handle = queue_handle(server, settings.ray_namespace)
-    return answer(ray.get(handle.submit.remote(spec, package)))
+    return call(handle.submit.remote(spec, package, server),
+                "; it may still have been queued: `raydeck queue` lists it")
+
+
+def call(reply: Any, unsure: str = "") -> Any:
+    """The value of the queue actor's ``reply`` (an object ref), waited for at most
+    ``CALL_TIMEOUT_S``; ``unsure``: what the caller should know when no answer came.
+
+    Raises:
+        ClusterUnavailableError: no answer in time (the actor busy or its node down).
+        ConfigError: the queue refused the call (its one-line reason).
+    """
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    try:
+        return answer(ray.get(reply, timeout=CALL_TIMEOUT_S))
+    except GetTimeoutError:
+        raise ClusterUnavailableError(
+            f"the queue did not answer within {CALL_TIMEOUT_S:.0f} s (the job server or MLflow "
+            f"may be slow to answer it){unsure}; try again") from None
 
 
 def listing(settings: Settings, server: JobServer, policy: str | None = None,
             aging_s: float | None = None, teams: dict[str, Any] | None = None
             ) -> tuple[str, list[Entry]]:
     """The queue's policy and entries, after applying any new policy or teams."""
-    import ray
-
     connect_running(settings.ray_address)
     handle = queue_handle(server, settings.ray_namespace)
     if policy is not None or aging_s is not None or teams is not None:
-        answer(ray.get(handle.configure.remote(policy, aging_s, teams)))
-    return answer(ray.get(handle.listing.remote()))
+        call(handle.configure.remote(policy, aging_s, teams, server))
+    return call(handle.listing.remote(server))
 
 
 def cancel(settings: Settings, server: JobServer, job_id: str) -> JobView:
-    import ray
-
     connect_running(settings.ray_address)
     handle = queue_handle(server, settings.ray_namespace)
-    return answer(ray.get(handle.cancel.remote(job_id)))
+    return call(handle.cancel.remote(job_id, server),
+                f"; it may still have been cancelled: `raydeck queue` shows {job_id}")
 
 
 def refused(settings: Settings) -> list[JobView]:

@@ -1,36 +1,56 @@
 """How long the same job ran before, read from MLflow.
 
-Owns: :func:`mlflow_durations`, the queue's source for duration prediction. Every job submitted
+Owns: :class:`MlflowHistory`, the queue's source for duration prediction, and
+:func:`mlflow_durations`, its query. Every job submitted
 with ``raydeck submit`` (queued or not) tags its MLflow run with its digest (``raydeck.job_digest``:
 job file, preset and arguments), so the history covers every run of the job that MLflow has,
 not only those the queue started. A run's duration is its MLflow start to end (the driver's
 training time, without the job's environment setup). Runs that were preempted are left out:
 their span includes the time they waited in the queue.
+
+MLflow's client retries a refused request for minutes by default; the history's client is the
+tracking writer's (:class:`raydeck.tracking.writer.MlflowWriter`): no retries and a bounded
+request timeout, so MLflow being down costs a submission one short wait (the queue then
+predicts from its own record, and never holds its lock while asking).
 """
 
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from raydeck.jobs import JOB_DIGEST_TAG
 from raydeck.preemption import PREEMPTIONS_TAG
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 HISTORY_RUNS = 20
 _KEY = re.compile(r"^[0-9a-f]{1,64}$")
 
 
-def mlflow_durations(tracking_uri: str, key: str, limit: int = HISTORY_RUNS) -> list[float]:
+class MlflowHistory:
+    """``history(key)`` for :class:`~raydeck.scheduling.queue.JobQueue`: the durations in the
+    MLflow server at ``tracking_uri``, asked through the tracking writer's fail-fast client."""
+
+    def __init__(self, tracking_uri: str) -> None:
+        from raydeck.tracking.writer import MlflowWriter
+
+        self._writer = MlflowWriter(tracking_uri)
+
+    def __call__(self, key: str) -> list[float]:
+        return mlflow_durations(self._writer.client, key)
+
+
+def mlflow_durations(client: MlflowClient, key: str, limit: int = HISTORY_RUNS) -> list[float]:
     """Seconds each of the last ``limit`` finished, never preempted runs of job ``key`` took.
 
     Raises:
         Exception: whatever MLflow raises when it cannot be reached (the queue then falls back
             to its own history).
     """
-    from mlflow.tracking import MlflowClient
-
     if not _KEY.match(key):
         return []  # not a job key (and never put into a filter string)
-    client = MlflowClient(tracking_uri)
     experiments = [e.experiment_id for e in client.search_experiments()]
     if not experiments:
         return []

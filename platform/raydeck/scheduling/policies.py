@@ -344,6 +344,13 @@ class _Usage:
     at_s: float = 0.0
 
 
+def _decay(age_s: float, half_life_s: float) -> float:
+    """What is left after ``age_s`` of usage with half-life ``half_life_s``: in (0, 1], and 1
+    for a negative age (a clock read out of order), so ``0.5 ** x`` is never asked to grow
+    (it overflows past ~1,024 half-lives; it only underflows to 0.0 the other way)."""
+    return 0.5 ** (max(age_s, 0.0) / half_life_s)
+
+
 class FairShare(Policy):
     """The team with the least decayed usage per weight goes first.
 
@@ -368,13 +375,21 @@ class FairShare(Policy):
 
     def usage(self, team: str, now: float) -> float:
         entry = self._usage.setdefault(team, _Usage(0.0, now))
-        return entry.value * 0.5 ** ((now - entry.at_s) / self.half_life_s)
+        return entry.value * _decay(now - entry.at_s, self.half_life_s)
 
     def ended(self, job: RunningJob, now: float) -> None:
-        """Charge the job's resource-seconds to its team."""
+        """Charge the job's resource-seconds to its team. A job that ended before the team's
+        last charge (history replayed out of order) is decayed to that charge's time, never
+        the other way: usage never grows with age, so no gap overflows it."""
         team = job.job.team
         amount = job.job.needs.weight() * (now - job.started_s)
-        self._usage[team] = _Usage(self.usage(team, now) + amount, now)
+        entry = self._usage.get(team)
+        if entry is not None and now < entry.at_s:
+            self._usage[team] = _Usage(entry.value + amount * _decay(entry.at_s - now,
+                                                                     self.half_life_s),
+                                       entry.at_s)
+        else:
+            self._usage[team] = _Usage(self.usage(team, now) + amount, now)
 
     def key(self, job: QueuedJob, running: Sequence[RunningJob], now: float) -> tuple[float, ...]:
         held = sum(r.job.needs.weight() * (now - r.started_s) for r in running

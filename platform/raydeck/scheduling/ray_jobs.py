@@ -5,10 +5,16 @@ deleted it: Ray keeps an uploaded package only while a job uses it), reading a j
 whether Ray has placed its placement groups (Ray's state API), and each node's free and total
 resources (what is free counts jobs started outside the queue). Runs
 inside the queue's actor, which is connected to the cluster.
+
+Ray's job client sends its HTTP requests without a timeout (a dashboard that accepts a
+connection and never answers would hold a call forever): every request is sent here with
+``REQUEST_TIMEOUT_S``. The job server's address and token are the latest caller's
+(:meth:`RayJobs.use`): the actor outlives the client that started it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from typing import Any
@@ -16,11 +22,16 @@ from typing import Any
 from raydeck.errors import JobSubmissionError
 from raydeck.jobs import JobServer
 from raydeck.preemption import QUEUE_JOB_ENV
+from raydeck.redaction import redact_url
+from raydeck.scheduling.launcher import LAUNCHER_TIMEOUT_S, Launcher
 from raydeck.scheduling.policies import Resources
-from raydeck.scheduling.queue import Launcher
 from raydeck.scheduling.store import JobRow
 
 logger = logging.getLogger(__name__)
+
+# Each HTTP request to the job server (connect, and each read); the queue bounds whole calls
+# with LAUNCHER_TIMEOUT_S too (raydeck.scheduling.launcher.TimedLauncher).
+REQUEST_TIMEOUT_S = LAUNCHER_TIMEOUT_S
 
 
 class RayJobs(Launcher):
@@ -30,10 +41,23 @@ class RayJobs(Launcher):
         self._server = server
         self._client: Any = None
 
+    def use(self, server: JobServer) -> None:
+        """Send the next calls to ``server``: a caller's address and token, which may have
+        changed since the actor started (a new token, a moved dashboard)."""
+        if server != self._server:
+            logger.info("the queue now reaches the job server at %s", redact_url(server.address))
+            self._server, self._client = server, None
+
     def _jobs(self) -> Any:
-        if self._client is None:
-            self._client = self._server.client()
-        return self._client
+        client: Any = self._client
+        if client is None:
+            client = self._server.client()
+            # Every request of Ray's job client goes through _do_request, whose extra keywords
+            # reach requests.request.
+            client._do_request = functools.partial(client._do_request,
+                                                   timeout=REQUEST_TIMEOUT_S)
+            self._client = client
+        return client
 
     def submit(self, row: JobRow, package: bytes | None) -> None:
         from ray._private.runtime_env import packaging

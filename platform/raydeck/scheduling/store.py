@@ -13,9 +13,10 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import (
+    CursorResult,
     Engine,
     Float,
     Integer,
@@ -23,6 +24,7 @@ from sqlalchemy import (
     String,
     Text,
     create_engine,
+    delete,
     inspect,
     select,
 )
@@ -84,7 +86,12 @@ class JobRow(_Base):
     @property
     def submission_id(self) -> str:
         """The job server's id of the current attempt: the queue's id, then ``<id>-r<N>``."""
-        return self.id if not self.attempt else f"{self.id}-r{self.attempt}"
+        return submission_id(self.id, self.attempt)
+
+
+def submission_id(job_id: str, attempt: int) -> str:
+    """The job server's id of attempt ``attempt`` of queued job ``job_id``."""
+    return job_id if not attempt else f"{job_id}-r{attempt}"
 
 
 class PackageRow(_Base):
@@ -146,10 +153,19 @@ class Store:
         with self._sessions.begin() as session:
             yield session
 
-    def add(self, row: JobRow) -> bool:
-        """Insert a job; False (and nothing written) if its id is already queued."""
+    def add(self, row: JobRow, replacing: int | None = None) -> bool:
+        """Insert a job; False (and nothing written) if its id is taken. ``replacing``: the
+        attempt of an ended job with the same id that the new one replaces (in the same
+        transaction: the job is still ended and still at that attempt)."""
         with self._session() as session:
-            if session.get(JobRow, row.id) is not None:
+            existing = session.get(JobRow, row.id)
+            if existing is not None:
+                if replacing is None or existing.state not in ENDED \
+                        or existing.attempt != replacing:
+                    return False
+                session.delete(existing)
+                session.flush()
+            elif replacing is not None:
                 return False
             session.add(row)
             return True
@@ -160,6 +176,24 @@ class Store:
             if states:
                 query = query.where(JobRow.state.in_(states))
             return list(session.scalars(query))
+
+    def ended_since(self, cutoff: float) -> list[JobRow]:
+        """The jobs that ended at or after ``cutoff``, by submission time."""
+        with self._session() as session:
+            return list(session.scalars(
+                select(JobRow).where(JobRow.state.in_(ENDED), JobRow.ended_at >= cutoff)
+                .order_by(JobRow.submitted_at, JobRow.id)))
+
+    def prune(self, ended_before: float) -> tuple[int, int]:
+        """Delete the jobs that ended before ``ended_before``, then the packages no job left
+        names; how many of each."""
+        with self._session() as session:
+            jobs = cast(CursorResult[Any], session.execute(
+                delete(JobRow).where(JobRow.state.in_(ENDED), JobRow.ended_at < ended_before)))
+            used = select(JobRow.package_uri).where(JobRow.package_uri != "")
+            packages = cast(CursorResult[Any], session.execute(
+                delete(PackageRow).where(PackageRow.uri.not_in(used))))
+            return jobs.rowcount, packages.rowcount
 
     def get(self, job_id: str) -> JobRow | None:
         with self._session() as session:

@@ -1,0 +1,97 @@
+"""What the job server's answer about a started job means for the queue, and the queue's rows
+as the policies see them.
+
+Owns: :func:`verdict` (a pure decision: the queue applies it under its lock and makes any call
+to the job server outside it, :mod:`raydeck.scheduling.queue`), the resources a queued job may
+use (:func:`free_capacity`) and the conversions from a
+stored :class:`~raydeck.scheduling.store.JobRow` to a policy's
+:class:`~raydeck.scheduling.policies.QueuedJob` / ``RunningJob``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raydeck.scheduling.policies import Capacity, Gang, QueuedJob, Resources, RunningJob
+from raydeck.scheduling.store import JobRow
+
+PREEMPT_GRACE_S = 300.0
+TERMINAL = {"SUCCEEDED": "succeeded", "FAILED": "failed", "STOPPED": "stopped"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What to do with a started job. ``action``: ``resubmit`` (recorded ``starting``, never
+    submitted: the queue stopped in between), ``requeue`` (back in the queue, resuming from its
+    checkpoint; ``preempted`` when it stopped for another job), ``stop`` (asked to stop over
+    ``PREEMPT_GRACE_S`` ago and still running: the job server stops it), ``end`` (it ended as
+    ``state``), ``running`` (the job server has it) or ``""`` (nothing changes)."""
+
+    action: str
+    why: str = ""
+    preempted: bool = False
+    state: str = ""
+
+
+def verdict(row: JobRow, status: str | None, now: float) -> Verdict:
+    """The verdict on active ``row`` whose job the job server reports as ``status`` (None: it
+    does not know the job)."""
+    if status is None:
+        if row.state == "starting":
+            return Verdict("resubmit")
+        # The job server forgot a job it ran: the head restarted (Ray keeps its jobs in the
+        # head's GCS) and the job died with it.
+        return Verdict("requeue", "lost when the cluster's head restarted")
+    if row.state == "preempting" and status in TERMINAL and (
+            status != "SUCCEEDED" or (told(row) and row.completed_at is None)):
+        # Stopped at its checkpoint (or by the job server after the grace period). A job told
+        # to stop whose driver still exited 0 without saying training ran to its end stopped
+        # there too: its run resumes rather than being taken as finished.
+        return Verdict("requeue", "preempted", preempted=True)
+    if row.state == "preempting" and row.preempt_at is not None \
+            and now - row.preempt_at > PREEMPT_GRACE_S and status not in TERMINAL:
+        return Verdict("stop")
+    if status in TERMINAL:
+        return Verdict("end", state=TERMINAL[status])
+    return Verdict("running") if row.state == "starting" else Verdict("")
+
+
+def told(row: JobRow) -> bool:
+    """Whether ``row`` was told to stop: asked (``preempting``), then it committed a
+    checkpoint, where the queue's answer was recorded before the job got it."""
+    return (row.state == "preempting" and row.preempt_at is not None
+            and row.checkpoint_at is not None and row.checkpoint_at >= row.preempt_at)
+
+
+def refused(row: JobRow) -> bool:
+    """A job that failed without ever starting (the job server refused its submission)."""
+    return row.state == "failed" and row.started_at is None
+
+
+def queued(row: JobRow) -> QueuedJob:
+    """``row`` as a policy sees a queued job."""
+    gang = (Gang(row.workers, Resources(row.cpus / row.workers, row.gpus / row.workers),
+                 row.placement) if row.workers else None)
+    return QueuedJob(row.id, row.team, row.priority, Resources(row.cpus, row.gpus),
+                     row.submitted_at, row.estimate_s, gang)
+
+
+def running(row: JobRow, now: float) -> RunningJob:
+    """``row`` as a policy sees a started job."""
+    return RunningJob(queued(row), row.started_at or now, row.checkpoint_at,
+                      resumed=row.preemptions > 0)
+
+
+def free_capacity(free_nodes: tuple[Resources, ...], total_nodes: tuple[Resources, ...],
+                  active: list[JobRow]) -> tuple[Capacity, Resources]:
+    """Free (per node, and a pool) and total resources, ``active`` being the queue's started
+    jobs: the pool is the smaller of what is free now (jobs outside the queue count) and the
+    total less what ``active`` holds (a job just started may not have claimed its own yet)."""
+    available, total = Resources.total(free_nodes), Resources.total(total_nodes)
+    held = Resources()
+    for row in active:
+        held = held + Resources(row.cpus, row.gpus)
+    by_reservation = total - held
+    pool = Resources(min(available.cpus, by_reservation.cpus),
+                     min(available.gpus, by_reservation.gpus))
+    return Capacity(pool, free_nodes), total

@@ -1,0 +1,171 @@
+"""A slow MLflow or job server delays only the call that waits on it (issue 25, defect 4): the
+real :class:`JobQueue` with a duration history and a job server that block until the test
+lets them go, as MLflow's client (retrying for minutes) and Ray's job client (no HTTP timeout)
+did. While one call waits, ``raydeck queue`` and a job's checkpoint call answer; a job server
+that hangs costs a bounded wait (:class:`TimedLauncher`), and Ray's job client sends each
+request with a timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from raydeck.errors import ConfigError
+from raydeck.jobs import JobServer
+from raydeck.scheduling.launcher import Launcher, TimedLauncher
+from raydeck.scheduling.policies import Resources
+from raydeck.scheduling.queue import JobQueue, JobSpec
+from raydeck.scheduling.ray_jobs import REQUEST_TIMEOUT_S, RayJobs
+from raydeck.scheduling.store import JobRow, Store
+
+pytestmark = pytest.mark.timeout(60)
+
+ANSWERS_WITHIN_S = 2.0
+
+
+class _JobServer(Launcher):
+    """One 4-CPU node; a call named in ``hang`` blocks until ``release`` is set."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, str] = {}
+        self.hang: set[str] = set()
+        self.release = threading.Event()
+
+    def _maybe_hang(self, call: str) -> None:
+        if call in self.hang:
+            self.release.wait(30)
+
+    def submit(self, row: JobRow, package: bytes | None) -> None:
+        self._maybe_hang("submit")
+        self.jobs[row.submission_id] = "RUNNING"
+
+    def status(self, submission_id: str) -> str | None:
+        self._maybe_hang("status")
+        return self.jobs.get(submission_id)
+
+    def stop(self, submission_id: str) -> None:
+        self._maybe_hang("stop")
+        self.jobs[submission_id] = "STOPPED"
+
+    def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
+        return (Resources(cpus=4),), (Resources(cpus=4),)
+
+    def placed(self, submission_id: str) -> bool:
+        return True
+
+
+def _spec(job_id: str) -> JobSpec:
+    return JobSpec(job_id, "a", 0, "custom", Resources(cpus=1), job_id, "python job.py", {})
+
+
+def _timed(call: Callable[[], Any]) -> tuple[Any, float]:
+    started = time.monotonic()
+    value = call()
+    return value, time.monotonic() - started
+
+
+def _in_background(call: Callable[[], Any]) -> threading.Thread:
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_slow_mlflow_during_submit_blocks_no_other_call(tmp_path: Path) -> None:
+    server, predicting, release = _JobServer(), threading.Event(), threading.Event()
+
+    def history(key: str) -> list[float]:  # MLflow retrying a refused connection
+        if key == "slow":
+            predicting.set()
+            release.wait(30)
+        return []
+
+    queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), server, history=history)
+    queue.submit(_spec("running"))
+    assert queue.tick() == ["running"]
+    submitting = _in_background(lambda: queue.submit(_spec("slow")))
+    assert predicting.wait(10)
+    entries, took_s = _timed(queue.listing)
+    assert took_s < ANSWERS_WITHIN_S and [e.job.id for e in entries] == ["running"]
+    told, took_s = _timed(lambda: queue.checkpointed("running"))
+    assert told is False and took_s < ANSWERS_WITHIN_S
+    _, took_s = _timed(queue.tick)
+    assert took_s < ANSWERS_WITHIN_S
+    release.set()
+    submitting.join(10)
+    assert [e.job.id for e in queue.listing()] == ["running", "slow"]
+
+
+def test_a_tick_waiting_on_the_job_server_blocks_no_client_call(tmp_path: Path) -> None:
+    server = _JobServer()
+    queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), server)
+    queue.submit(_spec("running"))
+    assert queue.tick() == ["running"]
+    server.hang = {"status"}
+    ticking = _in_background(queue.tick)
+    time.sleep(0.2)  # the tick is reading the job's status
+    told, took_s = _timed(lambda: queue.checkpointed("running"))
+    assert told is False and took_s < ANSWERS_WITHIN_S
+    entries, took_s = _timed(queue.listing)
+    assert [e.job.state for e in entries] == ["starting"] and took_s < ANSWERS_WITHIN_S
+    cancelled, took_s = _timed(lambda: queue.cancel("running"))
+    assert cancelled.state == "cancelled" and took_s < ANSWERS_WITHIN_S
+    server.release.set()
+    ticking.join(10)
+    assert not ticking.is_alive()
+    # The status the tick read before the cancel is not applied over it.
+    assert queue.listing() == [] and server.jobs["running"] == "STOPPED"
+
+
+def test_a_job_server_that_hangs_costs_a_bounded_wait(tmp_path: Path) -> None:
+    server, clock = _JobServer(), [100.0]
+    queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), TimedLauncher(server, 0.3),
+                     clock=lambda: clock[0])
+    queue.submit(_spec("running"))
+    assert queue.tick() == ["running"]
+    queue.submit(_spec("hung"))
+    server.hang = {"submit", "stop"}
+    started, took_s = _timed(queue.tick)
+    assert started == [] and took_s < ANSWERS_WITHIN_S
+    (hung,) = [e for e in queue.listing() if e.job.id == "hung"]
+    assert hung.job.state == "queued"
+    assert hung.why.startswith("submission failed 1x (LauncherTimeout: the job server did not "
+                               "answer submitting hung within 0.3 s)")
+    with pytest.raises(ConfigError, match="cannot stop job running now: LauncherTimeout"):
+        _timed(lambda: queue.cancel("running"))
+    server.release.set()
+
+
+def test_rays_job_client_sends_every_request_with_a_timeout_to_the_latest_callers_server(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ray.job_submission import JobSubmissionClient
+
+    sent: list[tuple[str, Any]] = []
+
+    def request(method: str, url: str, **kwargs: Any) -> requests.Response:
+        sent.append((url, kwargs.get("timeout")))
+        response = requests.Response()
+        response.status_code, response._content = 200, b'{"stopped": true}'
+        return response
+
+    def client(server: JobServer) -> JobSubmissionClient:  # connected, as JobServer's is
+        made = object.__new__(JobSubmissionClient)
+        made._address, made._cookies, made._verify = server.address, None, True
+        made._headers = {}
+        return made
+
+    monkeypatch.setattr(requests, "request", request)
+    monkeypatch.setattr(JobServer, "client", client)
+    jobs = RayJobs(JobServer("http://old-head:8265"))
+    jobs.stop("a")
+    jobs.use(JobServer("http://old-head:8265"))  # the same server: the same client
+    jobs.use(JobServer("http://new-head:8265"))  # a caller with a new address (or token)
+    jobs.stop("b")
+    assert sent == [("http://old-head:8265/api/jobs/a/stop", REQUEST_TIMEOUT_S),
+                    ("http://new-head:8265/api/jobs/b/stop", REQUEST_TIMEOUT_S)]
