@@ -63,8 +63,8 @@ def _one_error_line(result: subprocess.CompletedProcess[str]) -> str:
     return lines[0]
 
 
-def _run_of(client: Any, run_id: str) -> Any:
-    experiment = client.get_experiment_by_name("raydeck")
+def _run_of(client: Any, run_id: str, experiment_name: str = "raydeck") -> Any:
+    experiment = client.get_experiment_by_name(experiment_name)
     runs = client.search_runs([experiment.experiment_id],
                               filter_string=f"tags.`raydeck.run_key` = '{run_id}'")
     assert len(runs) == 1, runs
@@ -162,6 +162,26 @@ def test_raydeck_fills_runtime_envs_from_the_submitting_environment_but_never_se
         load_runtime_env(leaky)
     assert "env_vars.RAYDECK_S3_SECRET_ACCESS_KEY holds a value" in str(raised.value)
     assert "hunter2" not in str(raised.value)
+
+
+@pytest.mark.timeout(60)
+def test_what_the_shell_sets_for_raydeck_reaches_the_job_but_never_a_secret() -> None:
+    from raydeck.runtime_env import shell_settings
+
+    shell = {"RAYDECK_TRACKING_EXPERIMENT": "team-x", "RAYDECK_TRACKING_MODE": "all_ranks",
+             "RAYDECK_S3_PREFIX": "team-x/", "RAYDECK_S3_ARTIFACTS_BUCKET": "art",
+             "MLFLOW_TRACKING_URI": "http://mlflow:5000",
+             # secrets: by name, and by a value carrying credentials
+             "RAYDECK_S3_SECRET_ACCESS_KEY": "the-secret", "RAYDECK_GRAFANA_TOKEN": "glsa_x",
+             "RAYDECK_TRACKING_URI": "http://bob:pw@mlflow:5000",
+             # the submitting process's own view, and empty values
+             "RAYDECK_RAY_ADDRESS": "head:6379", "RAYDECK_STACK_FILE": "/home/me/stack.json",
+             "RAYDECK_PRESETS_FILE": "/home/me/presets.yaml", "RAYDECK_QUEUE_JOB": "parent",
+             "RAYDECK_LOG_LEVEL": "", "HOME": "/home/me", "AWS_SECRET_ACCESS_KEY": "aws"}
+    assert shell_settings(shell) == {
+        "RAYDECK_TRACKING_EXPERIMENT": "team-x", "RAYDECK_TRACKING_MODE": "all_ranks",
+        "RAYDECK_S3_PREFIX": "team-x/", "RAYDECK_S3_ARTIFACTS_BUCKET": "art",
+        "MLFLOW_TRACKING_URI": "http://mlflow:5000"}
 
 
 @pytest.mark.timeout(60)
@@ -276,7 +296,11 @@ def _raw_accuracy(mlflow_client: Any, uri: str) -> float:
 def test_raydeck_submit_runs_the_lightning_job_then_lists_it(
     ray_head: RayHead, mlflow_client: Any
 ) -> None:
-    env = _submit_env(ray_head, RAYDECK_DATA_DIR=ray_head.env["RAYDECK_DATA_DIR"])
+    # An experiment set only in the submitting shell: the job logs there (the head's
+    # environment does not name it), and submit finds the run there.
+    experiment = f"shell-only-{uuid.uuid4().hex[:6]}"
+    env = _submit_env(ray_head, RAYDECK_DATA_DIR=ray_head.env["RAYDECK_DATA_DIR"],
+                      RAYDECK_TRACKING_EXPERIMENT=experiment)
     model_name = f"lightning-{uuid.uuid4().hex[:6]}"
     done = _raydeck("submit", "jobs/digits_lightning.py", "--runtime-env",
                     "runtime_envs/cpu.yaml", "--preset", "cpu-2", "--run-name", "submitted",
@@ -291,7 +315,7 @@ def test_raydeck_submit_runs_the_lightning_job_then_lists_it(
     assert run_id.startswith("submitted-")
     print(f"\nraydeck submit digits_lightning ({EPOCHS} epochs, 2 workers on 2 cores): "
           f"{_job_seconds(ray_head, submission_id):.0f} s")
-    run = _run_of(mlflow_client, run_id)
+    run = _run_of(mlflow_client, run_id, experiment)
     _assert_both_workers_logged(mlflow_client, run, ("train_loss_epoch", "val_accuracy"))
     link = f"{ray_head.env['RAYDECK_TRACKING_URI']}/#/experiments/{run.info.experiment_id}" \
            f"/runs/{run.info.run_id}"

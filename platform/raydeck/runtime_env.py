@@ -24,6 +24,15 @@ from raydeck.redaction import is_secret_name, redact_text
 logger = logging.getLogger(__name__)
 
 PLACEHOLDER = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+SETTINGS_PREFIX = "RAYDECK_"
+# Read by raydeck when its own tracking URI is not set (MLflow's convention).
+FORWARDED_VARIABLES = frozenset({"MLFLOW_TRACKING_URI"})
+# Settings that describe the submitting process, not the job: how it reaches the cluster, its
+# `raydeck up` connection file, its presets file (a local path; the job gets its preset by
+# name, RAYDECK_PRESET, resolved where the cluster's nodes read their own presets), and the
+# queue's id of the job it runs in, when a job submits another.
+SUBMITTER_ONLY = frozenset({"RAYDECK_RAY_ADDRESS", "RAYDECK_STACK_FILE", "RAYDECK_PRESETS_FILE",
+                            "RAYDECK_QUEUE_JOB"})
 
 
 def _references_secret(value: str) -> bool:
@@ -116,3 +125,20 @@ def load_runtime_env(path: str | Path, env: Mapping[str, str] | None = None,
             env_vars[str(name)] = filled
     runtime_env["env_vars"] = env_vars
     return runtime_env
+
+
+def shell_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """raydeck's settings set where a job is submitted, for the job's ``env_vars``: every
+    non-empty ``RAYDECK_*`` variable and ``MLFLOW_TRACKING_URI``, so the job logs to the
+    experiment, mode and bucket the submitting shell names (and ``raydeck submit`` finds its run
+    where it logged). A runtime env file's own ``env_vars`` win over these.
+
+    Left out: secrets (secret-named variables, and values that carry credentials such as a
+    tracking URI with user:password), which a job reads from the cluster's environment only
+    (docs/secrets.md), and :data:`SUBMITTER_ONLY`.
+    """
+    env = os.environ if env is None else env
+    return {name: value for name, value in env.items()
+            if value and (name.startswith(SETTINGS_PREFIX) or name in FORWARDED_VARIABLES)
+            and name not in SUBMITTER_ONLY and not is_secret_name(name)
+            and not _holds_credentials(value)}

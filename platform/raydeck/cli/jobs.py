@@ -94,7 +94,7 @@ def submit(
     from raydeck.observability.prometheus import parse_duration
     from raydeck.package_data import default_path
     from raydeck.redaction import redact_text, redact_url
-    from raydeck.runtime_env import load_runtime_env
+    from raydeck.runtime_env import load_runtime_env, shell_settings
     from raydeck.scaling import check_feasible, get_preset
 
     settings = load_settings()
@@ -127,6 +127,8 @@ def submit(
                               "it needs --wait (drop --no-wait)")
     env_file = runtime_env or default_path(DEFAULT_RUNTIME_ENV)
     env = load_runtime_env(env_file, fill=not cluster_env)
+    if not cluster_env:  # what the shell sets for raydeck reaches the job, never a secret
+        env["env_vars"] = {**shell_settings(), **env["env_vars"]}
     check_job_file(job_file, env)
     request = JobRequest(job_file=job_file, preset=chosen.name, run_name=name,
                          run_id=run_id or new_run_id(name), runtime_env=env, args=args)
