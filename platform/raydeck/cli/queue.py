@@ -35,7 +35,7 @@ def _clock(at: float | None) -> str:
 
 def queue(
     policy: str = typer.Option(None, help="Switch the policy: fifo, priority, sjf, fairshare, "
-                                          "backfill or backfill-<policy>."),
+                                          "las, gittins, backfill or backfill-<policy>."),
     aging: str = typer.Option(None, help="Aging bound, e.g. 1h: a job waiting this long goes "
                                          "first."),
     teams: Path = typer.Option(None, help="YAML of teams: NAME: {weight: 2, gpus: 4, cpus: 32}."),

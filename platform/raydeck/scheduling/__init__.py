@@ -2,7 +2,7 @@
 
 Modules: :mod:`~raydeck.scheduling.policies` (FIFO, priority with aging, shortest job first,
 fair share with quotas, EASY backfill, preemption victims, placement-aware admission; one
-interface),
+interface), :mod:`~raydeck.scheduling.attained_service` (Tiresias' LAS and Gittins),
 :mod:`~raydeck.scheduling.simulator` (replaying a trace through a policy without Ray; seeded
 heavy-tailed traces), the queue (:mod:`~raydeck.scheduling.queue`, its store, actor, client and
 job server), :mod:`~raydeck.scheduling.history` (earlier durations of a job, from MLflow) and
@@ -10,6 +10,7 @@ the queue's side of preemption (a job's side, the signal it reads, is
 :mod:`raydeck.preemption`).
 """
 
+from raydeck.scheduling.attained_service import Gittins, LeastAttainedService
 from raydeck.scheduling.policies import (
     Backfill,
     Capacity,
@@ -26,6 +27,8 @@ from raydeck.scheduling.policies import (
     make_policy,
 )
 from raydeck.scheduling.simulator import (
+    RESTART_OVERHEAD_S,
+    PreemptionCost,
     Report,
     Scheduled,
     TraceJob,
@@ -36,7 +39,8 @@ from raydeck.scheduling.simulator import (
 )
 
 __all__ = [
-    "Backfill", "Capacity", "FairShare", "Fifo", "Gang", "Policy", "Preemption", "PriorityAging",
+    "RESTART_OVERHEAD_S", "Backfill", "Capacity", "FairShare", "Fifo", "Gang", "Gittins",
+    "LeastAttainedService", "Policy", "Preemption", "PreemptionCost", "PriorityAging",
     "QueuedJob", "Report", "Resources", "RunningJob", "Scheduled", "ShortestJobFirst", "TraceJob",
     "generate_trace", "make_policy", "read_trace", "simulate", "write_trace",
 ]

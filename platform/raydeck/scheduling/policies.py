@@ -2,12 +2,11 @@
 
 Owns: :class:`Gang` (how a job's workers must be placed) and :class:`Capacity` (free
 resources, per node when known), :class:`Policy` (given the queue, the running jobs, the free
-and total resources and the time, say which queued jobs start now, and which running jobs of
-lower priority to preempt for the first one that cannot) and the policies: :class:`Fifo`,
-:class:`PriorityAging`, :class:`ShortestJobFirst`, :class:`FairShare` (decayed usage, weights,
-per-team quotas) and :class:`Backfill` (EASY backfill over any of them). The same objects drive
-the simulator (:mod:`raydeck.scheduling.simulator`), so what a trace replay says is what the
-policy does.
+and total resources and the time, say which queued jobs start now, and which running jobs to
+preempt for the first one that cannot) and the policies: :class:`Fifo`, :class:`PriorityAging`,
+:class:`ShortestJobFirst`, :class:`FairShare` (decayed usage, weights, per-team quotas),
+:class:`Backfill` (EASY backfill over any of them); ``las`` and ``gittins`` are in
+:mod:`raydeck.scheduling.attained_service`. The same objects drive the simulator.
 
 Every policy holds per-team quotas (``quotas``): a job that would take its team over its quota
 waits without blocking other teams' jobs.
@@ -130,7 +129,8 @@ class Gang:
 @dataclass(frozen=True)
 class QueuedJob:
     """A job waiting to start; ``gang`` says how its ``needs`` must be placed (None: anywhere,
-    as in the simulator's traces)."""
+    as in the simulator's traces); ``key``: the job's digest (same job file, preset and
+    arguments), under which its earlier runs' durations are known ("": none)."""
 
     id: str
     team: str
@@ -139,6 +139,7 @@ class QueuedJob:
     submitted_s: float
     estimate_s: float
     gang: Gang | None = None
+    key: str = ""
 
     def waited(self, now: float) -> float:
         return now - self.submitted_s
@@ -236,11 +237,15 @@ class Policy(abc.ABC):
     def order(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
               now: float) -> list[QueuedJob]:
         """The queue in start order: aged jobs first (oldest first), then by :meth:`key`."""
-        aged = sorted((j for j in queue if j.waited(now) >= self.aging_s),
+        aged = sorted((j for j in queue if self.waiting(j, now) >= self.aging_s),
                       key=lambda j: (j.submitted_s, j.id))
-        rest = sorted((j for j in queue if j.waited(now) < self.aging_s),
+        rest = sorted((j for j in queue if self.waiting(j, now) < self.aging_s),
                       key=lambda j: (*self.key(j, running, now), j.submitted_s, j.id))
         return aged + rest
+
+    def waiting(self, job: QueuedJob, now: float) -> float:
+        """How long ``job`` has waited, as aging counts it: since its submission."""
+        return job.waited(now)
 
     def allowed(self, job: QueuedJob, running: Sequence[RunningJob]) -> bool:
         """Whether the job's team stays within its quota (if it has one) with ``job``."""
@@ -250,6 +255,22 @@ class Policy(abc.ABC):
     def ended(self, job: RunningJob, now: float) -> None:
         """A job released its resources at ``now`` (fair share charges its team)."""
         return None
+
+    def finished(self, job: RunningJob, now: float) -> None:
+        """``job`` (after :meth:`ended`) ran to its end: it will not come back."""
+        return None
+
+    def outranks(self, job: QueuedJob, victim: RunningJob, now: float) -> bool:
+        """Whether ``job`` may have ``victim`` stopped for it: by default, a lower priority."""
+        return victim.job.priority < job.priority
+
+    def victim_key(self, victim: RunningJob, now: float) -> tuple[float | str, ...]:
+        """Victims' order: lowest priority first, then the least work lost."""
+        return (victim.job.priority, now - (victim.checkpoint_s or now), victim.job.id)
+
+    def may_outrank(self, queue: Sequence[QueuedJob], piece: RunningJob) -> bool:
+        """Whether a job in ``queue`` may come to outrank ``piece`` while it runs."""
+        return piece.job.priority < max(job.priority for job in queue)
 
     def decide(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
                free: Capacity, total: Resources, now: float) -> list[QueuedJob]:
@@ -272,14 +293,12 @@ class Policy(abc.ABC):
                 free: Resources, now: float,
                 can_stop: Callable[[RunningJob], bool] | None = None) -> Preemption | None:
         """Running jobs to stop at their next checkpoint so that the first queued job (in this
-        policy's order, within its quota) can start: jobs of lower priority that have a
-        checkpoint, lowest priority first and, among equals, the one that loses least work
-        (the most recent checkpoint). None unless stopping them makes the job fit.
+        policy's order, within its quota) can start: jobs it :meth:`outranks` (by default, of
+        lower priority) in :meth:`victim_key` order. None unless stopping them makes it fit.
 
         ``can_stop`` says which running jobs may be victims (default: those with a
-        checkpoint); the queue and the simulator pass
-        :func:`raydeck.scheduling.preemption_rules.preemptible`, which also keeps a job just
-        restarted from being stopped again.
+        checkpoint); the queue and the simulator pass :func:`~raydeck.scheduling.
+        preemption_rules.preemptible`, which also keeps a just restarted job from stopping.
 
         ``running`` and ``free`` leave out (and count as free) jobs already stopping. Counted
         in totals: which nodes a victim frees is not known, so a gang that would still not be
@@ -290,9 +309,9 @@ class Policy(abc.ABC):
         if head is None or free.fits(head.needs):
             return None
         candidates = sorted(
-            (r for r in running if r.job.priority < head.priority
+            (r for r in running if self.outranks(head, r, now)
              and (r.checkpoint_s is not None if can_stop is None else can_stop(r))),
-            key=lambda r: (r.job.priority, now - (r.checkpoint_s or now), r.job.id))
+            key=lambda r: self.victim_key(r, now))
         victims: list[RunningJob] = []
         for candidate in candidates:
             if free.fits(head.needs):
@@ -456,7 +475,7 @@ def _reservation(head: QueuedJob, running: Sequence[RunningJob], free: Resources
     return now, available - head.needs
 
 
-POLICIES = ("fifo", "priority", "sjf", "fairshare", "backfill")
+POLICIES = ("fifo", "priority", "sjf", "fairshare", "las", "gittins", "backfill")
 
 
 def make_policy(name: str, aging_s: float = DEFAULT_AGING_S,
@@ -477,6 +496,10 @@ def make_policy(name: str, aging_s: float = DEFAULT_AGING_S,
         policy = ShortestJobFirst(aging_s, quotas)
     elif base == "fairshare":
         policy = FairShare(weights, quotas, aging_s=aging_s)
+    elif base in ("las", "gittins"):  # imported here: that module builds on this one
+        from raydeck.scheduling.attained_service import Gittins, LeastAttainedService
+
+        policy = (LeastAttainedService if base == "las" else Gittins)(aging_s, quotas)
     else:
         raise ConfigError(f"policy {name!r} is not one of {', '.join(POLICIES)} "
                           "(or backfill-<policy>)")

@@ -19,7 +19,10 @@ job API give submit, start and end times).
 Preemption as the queue does it, with the same rules (:mod:`raydeck.scheduling.preemption_rules`):
 when the policy's first waiting job does not fit, the policy names victims among the jobs that
 may be stopped; each stops at its next checkpoint, losing no work, goes back to the queue (same
-submission time, behind the job it was stopped for) and later runs what it had left.
+submission time, behind the job it was stopped for) and later runs what it had left. With a
+:class:`PreemptionCost` a preemption costs what it costs a real job: it stops at once, losing
+the work since its last checkpoint, and its restart holds its resources
+:data:`RESTART_OVERHEAD_S` before it makes progress again.
 """
 
 from __future__ import annotations
@@ -37,6 +40,10 @@ import numpy as np
 from raydeck.errors import ConfigError
 from raydeck.scheduling import preemption_rules as rules
 from raydeck.scheduling.policies import Capacity, Policy, QueuedJob, Resources, RunningJob
+
+# Seconds from a preempted job's stop to its training running again (workers start, the
+# checkpoint loads): the queue's preemption test on a one-node cluster measured 30-60 s.
+RESTART_OVERHEAD_S = 45.0
 
 COLUMNS = ("id", "submit_s", "duration_s", "cpus", "gpus", "team", "priority", "estimate_s",
            "checkpoint_s")
@@ -146,12 +153,26 @@ def generate_trace(jobs: int = 400, *, seed: int = 0, gpus: float = 16, load: fl
 
 
 @dataclass(frozen=True)
+class PreemptionCost:
+    """What a preemption costs in a replay: the work since the victim's last checkpoint and
+    ``restart_s`` of holding its resources before it runs again (module docstring)."""
+
+    restart_s: float = RESTART_OVERHEAD_S
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.restart_s) and self.restart_s >= 0):
+            raise ConfigError(f"restart_s={self.restart_s}: must be a number >= 0")
+
+
+@dataclass(frozen=True)
 class Scheduled:
     """When one job ran in a replay: ``pieces`` of (start, end), more than one when it was
-    preempted (it stopped at checkpoints, so it lost no work)."""
+    preempted; ``lost_s``: seconds of them that bought no progress (work redone after a
+    preemption, restarts), 0 unless the replay charged a :class:`PreemptionCost`."""
 
     job: TraceJob
     pieces: tuple[tuple[float, float], ...]
+    lost_s: float = 0.0
 
     @property
     def start_s(self) -> float:
@@ -172,7 +193,7 @@ class Scheduled:
     @property
     def wait_s(self) -> float:
         """Time queued in all: before it started and after each preemption."""
-        return self.completion_s - self.job.duration_s
+        return self.completion_s - self.job.duration_s - self.lost_s
 
 
 @dataclass(frozen=True)
@@ -189,6 +210,7 @@ class Report:
     fairness: float
     top_priority_wait_s: float
     preemptions: int
+    lost_gpu_hours: float = 0.0
 
     @classmethod
     def of(cls, policy: str, schedule: Sequence[Scheduled], capacity: Resources) -> Report:
@@ -210,16 +232,18 @@ class Report:
                    float(waits.max()), busy / (size * span) if span > 0 else 0.0,
                    float(per_team.sum() ** 2 / (len(per_team) * (per_team ** 2).sum())),
                    float(np.mean([s.wait_s for s in schedule if s.job.priority == top])),
-                   sum(s.preemptions for s in schedule))
+                   sum(s.preemptions for s in schedule),
+                   sum(s.lost_s * s.job.needs.gpus for s in schedule) / 3600)
 
 
 def simulate(trace: Sequence[TraceJob], policy: Policy, capacity: Resources,
-             pinned: Sequence[str] = ()) -> list[Scheduled]:
+             pinned: Sequence[str] = (), cost: PreemptionCost | None = None) -> list[Scheduled]:
     """Replay ``trace`` on a cluster of ``capacity`` under ``policy``: every job runs all its
     work, in one piece or, preempted at checkpoints, in several.
 
     Jobs whose ids are in ``pinned`` start when they arrive, whatever the policy says (the
-    queue uses this for jobs already running when it predicts start times).
+    queue uses this for jobs already running when it predicts start times). ``cost``: what a
+    preemption costs (None: nothing; victims stop at their next checkpoint).
 
     Raises:
         ConfigError: a job larger than the cluster (it could never start).
@@ -232,7 +256,7 @@ def simulate(trace: Sequence[TraceJob], policy: Policy, capacity: Resources,
     by_id = {job.id: job for job in trace}
     if len(by_id) != len(trace):
         raise ConfigError("trace: job ids must be unique")
-    return _Replay(by_id, policy, capacity, pinned).run(
+    return _Replay(by_id, policy, capacity, pinned, cost).run(
         sorted(trace, key=lambda j: (j.submit_s, j.id)))
 
 
@@ -243,8 +267,11 @@ class _Replay:
     to stop earlier, or it is a checkpoint at which a victim may be chosen)."""
 
     def __init__(self, jobs: dict[str, TraceJob], policy: Policy, capacity: Resources,
-                 pinned: Sequence[str]) -> None:
+                 pinned: Sequence[str], cost: PreemptionCost | None) -> None:
         self.jobs, self.policy, self.capacity, self.pinned = jobs, policy, capacity, pinned
+        self.cost = cost
+        self.overhead: dict[str, float] = {}  # the running piece's restart, with a cost
+        self.lost: dict[str, float] = {}
         self.free = capacity
         self.queue: list[QueuedJob] = []
         self.running: dict[str, RunningJob] = {}
@@ -285,12 +312,18 @@ class _Replay:
                 raise ConfigError(f"policy {self.policy.name} can start none of "
                                   f"{', '.join(j.id for j in self.queue)} on an idle cluster "
                                   "(a job larger than its team's quota?)")
-        return [Scheduled(job, tuple(self.pieces[job.id])) for job in self.jobs.values()]
+        return [Scheduled(job, tuple(self.pieces[job.id]), self.lost.get(job.id, 0.0))
+                for job in self.jobs.values()]
 
     def _start(self, job: QueuedJob, now: float) -> None:
         self.running[job.id] = RunningJob(job, now, resumed=job.id in self.pieces)
         self.free = self.free - job.needs
-        self._end_at(job.id, now + self.jobs[job.id].duration_s - self.done_before.get(job.id, 0))
+        overhead = self.cost.restart_s if self.cost and job.id in self.pieces else 0.0
+        if overhead:
+            self.overhead[job.id] = overhead
+            self.lost[job.id] = self.lost.get(job.id, 0.0) + overhead
+        self._end_at(job.id, now + overhead + self.jobs[job.id].duration_s
+                     - self.done_before.get(job.id, 0))
 
     def _end_at(self, job_id: str, at: float) -> None:
         self.end_at[job_id] = at
@@ -303,12 +336,23 @@ class _Replay:
         self.free = self.free + piece.job.needs
         self.policy.ended(piece, now)
         self.pieces.setdefault(job_id, []).append((piece.started_s, now))
-        if job_id in self.stopping:
-            self.stopping.discard(job_id)
-            self.done_before[job_id] = self._done(piece, now)
-            self.queue.append(self.jobs[job_id].queued(self.done_before[job_id]))
+        if job_id not in self.stopping:
+            self.policy.finished(piece, now)
+            return
+        self.stopping.discard(job_id)
+        done = self._done(piece, now)
+        if self.cost and (checkpoints := self._checkpoints(piece, now)) is not None:
+            done = checkpoints[1]  # back to its last checkpoint
+            self.lost[job_id] = self.lost.get(job_id, 0.0) + checkpoints[0] - done
+        self.overhead.pop(job_id, None)
+        self.done_before[job_id] = done
+        self.queue.append(self.jobs[job_id].queued(done))
 
     def _done(self, piece: RunningJob, now: float) -> float:
+        """Work done by ``now`` (a restart's overhead is none)."""
+        overhead = self.overhead.get(piece.job.id, 0.0)
+        if overhead:
+            now = max(now - overhead, piece.started_s)
         return self.done_before.get(piece.job.id, 0.0) + now - piece.started_s
 
     def _checkpoints(self, piece: RunningJob, now: float) -> tuple[float, float, float] | None:
@@ -351,22 +395,22 @@ class _Replay:
             checkpoints = self._checkpoints(victim, now)
             assert checkpoints is not None, "the policy takes only jobs with a checkpoint"
             done, committed, every = checkpoints
-            # At a checkpoint now (within rounding): stop here; else at the next one.
-            stop = now + (committed if done - committed < 1e-9 else committed + every) - done
+            # At a checkpoint now (within rounding) or with a cost: stop here; else at the next.
+            stop = (now if self.cost else
+                    now + (committed if done - committed < 1e-9 else committed + every) - done)
             if stop < self.end_at[victim.job.id]:
                 self.stopping.add(victim.job.id)
                 self.preempted_for[victim.job.id] = decision.job.id
                 self._end_at(victim.job.id, stop)
 
     def _wake_at_next_checkpoint(self, running: list[RunningJob], now: float) -> None:
-        """The queue decides at every tick; the replay only at events. A job of lower priority
-        than one waiting may become a victim when it next commits a checkpoint: decide again
-        then (an event with no job)."""
-        top = max(job.priority for job in self.queue)
+        """The queue decides at every tick; the replay only at events. A job the policy says a
+        waiting one may outrank (by default: of lower priority) may become a victim when it
+        next commits a checkpoint: decide again then (an event with no job)."""
         times = []
         for piece in running:
             checkpoints = self._checkpoints(piece, now)
-            if checkpoints is not None and piece.job.priority < top:
+            if checkpoints is not None and self.policy.may_outrank(self.queue, piece):
                 done, committed, every = checkpoints
                 at = now + committed + every - done
                 if at < self.end_at[piece.job.id]:
