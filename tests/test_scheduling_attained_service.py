@@ -153,10 +153,11 @@ def test_make_policy_knows_las_and_gittins() -> None:
     assert isinstance(make_policy("las", aging_s=60), LeastAttainedService)
     assert make_policy("las", aging_s=60).aging_s == 60
     assert isinstance(make_policy("gittins"), Gittins)
-    backfilled = make_policy("backfill-las")
-    assert isinstance(backfilled, Backfill) and backfilled.name == "backfill-las"
-    with pytest.raises(ConfigError, match="las, gittins"):
-        make_policy("lottery")
+    # Backfill's reservations are not theirs to keep: they preempt for the head instead.
+    for name in ("backfill-las", "backfill-gittins", "lottery"):
+        with pytest.raises(ConfigError, match="las, gittins, backfill"):
+            make_policy(name)
+    assert isinstance(make_policy("backfill-sjf"), Backfill)
 
 
 @pytest.mark.parametrize("name", ["las", "gittins"])

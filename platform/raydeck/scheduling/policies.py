@@ -496,11 +496,12 @@ def make_policy(name: str, aging_s: float = DEFAULT_AGING_S,
         policy = ShortestJobFirst(aging_s, quotas)
     elif base == "fairshare":
         policy = FairShare(weights, quotas, aging_s=aging_s)
-    elif base in ("las", "gittins"):  # imported here: that module builds on this one
-        from raydeck.scheduling.attained_service import Gittins, LeastAttainedService
+    elif base in ("las", "gittins") and base == name:  # they preempt rather than reserve
+        from raydeck.scheduling import attained_service as service  # builds on this module
 
-        policy = (LeastAttainedService if base == "las" else Gittins)(aging_s, quotas)
+        kind = service.LeastAttainedService if base == "las" else service.Gittins
+        policy = kind(aging_s, quotas)
     else:
         raise ConfigError(f"policy {name!r} is not one of {', '.join(POLICIES)} "
-                          "(or backfill-<policy>)")
+                          "(or backfill-<policy> but las and gittins)")
     return Backfill(policy) if base != name or name == "backfill" else policy
