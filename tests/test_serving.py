@@ -179,12 +179,12 @@ def test_a_thousand_requests_in_every_format_score_like_the_run(served: Served) 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_readmes_curl_example_is_answered_with_its_digit(served: Served) -> None:
+def test_the_serving_pages_curl_example_is_answered_with_its_digit(served: Served) -> None:
     import re
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    body = re.search(r"curl -s http://127.0.0.1:8000/invocations .*?-d '(.*?)'", readme, re.S)
-    assert body, "README's Serving section lost its curl example"
+    page = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    body = re.search(r"curl -s http://127.0.0.1:8000/invocations .*?-d '(.*?)'", page, re.S)
+    assert body, "docs/serving.md lost its curl example"
     status, _, answer = _post(served.invocations, body.group(1).encode())
     assert status == 200 and int(np.argmax(answer["predictions"][0])) == 0  # load_digits()[0]
 
