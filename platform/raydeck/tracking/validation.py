@@ -29,13 +29,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-# MLflow's own limits (mlflow.utils.validation; tests/test_tracking_validation.py checks they
-# match). Not imported from there: importing mlflow costs about 2.4 CPU-s, and every process
-# that logs (each Ray Train worker, Tune trial and driver) validates, while only the tracking
-# proxy's shards talk to MLflow.
-MAX_ENTITY_KEY_LENGTH = 250
-MAX_PARAM_VAL_LENGTH = 6000
-MAX_TAG_VAL_LENGTH = 8000
+from mlflow.utils.validation import (
+    MAX_ENTITY_KEY_LENGTH,
+    MAX_PARAM_VAL_LENGTH,
+    MAX_TAG_VAL_LENGTH,
+)
 
 _KEY_CHARS = re.compile(r"^[/\w.\- :]+$")
 KEY_RULE = "keys may only hold letters, digits, _ - . : / and spaces"

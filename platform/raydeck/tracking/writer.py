@@ -21,18 +21,14 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
 
 from raydeck.redaction import quiet_mlflow_urls
 from raydeck.tracking.messages import DatasetRef, Point
-
-if TYPE_CHECKING:
-    from mlflow.entities import Metric, Param, RunTag
-    from mlflow.tracking import MlflowClient
-
-# mlflow is imported where it is used, for start-up time: importing it costs about 2.4 CPU-s,
-# and every process that imports the tracker (each Ray Train worker, Tune trial and driver)
-# imports this module through the proxy's actor classes, while only the shards write.
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +97,6 @@ class FailurePolicy:
         return Verdict(True, f"unclassified {_short(exc)}")
 
     def _classify_one(self, exc: BaseException) -> Verdict | None:
-        from mlflow.exceptions import MlflowException
-
         text = _short(exc)
         if isinstance(exc, MlflowException):
             status = exc.get_http_status_code()
@@ -222,8 +216,6 @@ class MlflowWriter:
         (and migrates a new one), which may fail while the database is down; that failure is a
         write error like any other, never one that stops the shard from starting."""
         if self._client is None:
-            from mlflow.tracking import MlflowClient
-
             with self._client_lock:
                 if self._client is None:
                     with _store_init_lock(self.tracking_uri):
@@ -250,8 +242,6 @@ class MlflowWriter:
         Raises:
             TransientWriteError: nothing can be said yet; call again with the same values.
         """
-        from mlflow.entities import Metric, Param, RunTag
-
         refused: list[tuple[str, str, str]] = []
         self._chunk(run_id, [Metric(k, v, ts, step) for k, v, ts, step in points],
                     [Param(k, v) for k, v in params.items()],
@@ -306,8 +296,6 @@ class MlflowWriter:
         if not RUN_KEY_PATTERN.match(key):
             raise PermanentWriteError(f"run key {key!r} is not a valid run key")
         if re.fullmatch(r"[0-9a-f]{32}", key):
-            from mlflow.exceptions import MlflowException
-
             try:
                 return self._call("get_run", "get_run", key)
             except PermanentWriteError as exc:
