@@ -9,7 +9,6 @@ request with a timeout.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,8 +26,6 @@ from raydeck.scheduling.store import JobRow, Store
 
 pytestmark = pytest.mark.timeout(60)
 
-ANSWERS_WITHIN_S = 2.0
-
 
 class _JobServer(Launcher):
     """One 4-CPU node; a call named in ``hang`` blocks until ``release`` is set."""
@@ -36,10 +33,12 @@ class _JobServer(Launcher):
     def __init__(self) -> None:
         self.jobs: dict[str, str] = {}
         self.hang: set[str] = set()
+        self.hanging = threading.Event()  # a call is blocked now
         self.release = threading.Event()
 
     def _maybe_hang(self, call: str) -> None:
         if call in self.hang:
+            self.hanging.set()
             self.release.wait(30)
 
     def submit(self, row: JobRow, package: bytes | None) -> None:
@@ -65,12 +64,6 @@ def _spec(job_id: str) -> JobSpec:
     return JobSpec(job_id, "a", 0, "custom", Resources(cpus=1), job_id, "python job.py", {})
 
 
-def _timed(call: Callable[[], Any]) -> tuple[Any, float]:
-    started = time.monotonic()
-    value = call()
-    return value, time.monotonic() - started
-
-
 def _in_background(call: Callable[[], Any]) -> threading.Thread:
     thread = threading.Thread(target=call, daemon=True)
     thread.start()
@@ -91,12 +84,11 @@ def test_a_slow_mlflow_during_submit_blocks_no_other_call(tmp_path: Path) -> Non
     assert queue.tick() == ["running"]
     submitting = _in_background(lambda: queue.submit(_spec("slow")))
     assert predicting.wait(10)
-    entries, took_s = _timed(queue.listing)
-    assert took_s < ANSWERS_WITHIN_S and [e.job.id for e in entries] == ["running"]
-    told, took_s = _timed(lambda: queue.checkpointed("running"))
-    assert told is False and took_s < ANSWERS_WITHIN_S
-    _, took_s = _timed(queue.tick)
-    assert took_s < ANSWERS_WITHIN_S
+    # Each call answers while the submit is still blocked on MLflow: none waits for it.
+    assert [e.job.id for e in queue.listing()] == ["running"] and submitting.is_alive()
+    assert queue.checkpointed("running") is False and submitting.is_alive()
+    queue.tick()
+    assert submitting.is_alive()
     release.set()
     submitting.join(10)
     assert [e.job.id for e in queue.listing()] == ["running", "slow"]
@@ -109,13 +101,11 @@ def test_a_tick_waiting_on_the_job_server_blocks_no_client_call(tmp_path: Path) 
     assert queue.tick() == ["running"]
     server.hang = {"status"}
     ticking = _in_background(queue.tick)
-    time.sleep(0.2)  # the tick is reading the job's status
-    told, took_s = _timed(lambda: queue.checkpointed("running"))
-    assert told is False and took_s < ANSWERS_WITHIN_S
-    entries, took_s = _timed(queue.listing)
-    assert [e.job.state for e in entries] == ["starting"] and took_s < ANSWERS_WITHIN_S
-    cancelled, took_s = _timed(lambda: queue.cancel("running"))
-    assert cancelled.state == "cancelled" and took_s < ANSWERS_WITHIN_S
+    assert server.hanging.wait(10)  # the tick is reading the job's status
+    # Each call answers while the tick is still blocked on the job server.
+    assert queue.checkpointed("running") is False and ticking.is_alive()
+    assert [e.job.state for e in queue.listing()] == ["starting"] and ticking.is_alive()
+    assert queue.cancel("running").state == "cancelled" and ticking.is_alive()
     server.release.set()
     ticking.join(10)
     assert not ticking.is_alive()
@@ -131,14 +121,14 @@ def test_a_job_server_that_hangs_costs_a_bounded_wait(tmp_path: Path) -> None:
     assert queue.tick() == ["running"]
     queue.submit(_spec("hung"))
     server.hang = {"submit", "stop"}
-    started, took_s = _timed(queue.tick)
-    assert started == [] and took_s < ANSWERS_WITHIN_S
+    # Unbounded, the submit would go through once the server answered (after 30 s).
+    assert queue.tick() == []
     (hung,) = [e for e in queue.listing() if e.job.id == "hung"]
     assert hung.job.state == "queued"
     assert hung.why.startswith("submission failed 1x (LauncherTimeout: the job server did not "
                                "answer submitting hung within 0.3 s)")
     with pytest.raises(ConfigError, match="cannot stop job running now: LauncherTimeout"):
-        _timed(lambda: queue.cancel("running"))
+        queue.cancel("running")
     server.release.set()
 
 
