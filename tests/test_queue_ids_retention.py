@@ -13,40 +13,14 @@ from pathlib import Path
 import pytest
 
 from raydeck.errors import ConfigError
-from raydeck.scheduling.launcher import Launcher
 from raydeck.scheduling.policies import FairShare, QueuedJob, Resources, RunningJob
 from raydeck.scheduling.queue import REPLAY_S, RETENTION_S, JobQueue, JobSpec
-from raydeck.scheduling.store import JobRow, Store
+from raydeck.scheduling.store import Store
+from tests.fixtures.fake_job_server import FakeJobServer
 
 pytestmark = pytest.mark.timeout(60)
 
 DAY = 86400.0
-
-
-class _JobServer(Launcher):
-    """One 4-CPU node whose job server remembers every job, ended ones too."""
-
-    def __init__(self) -> None:
-        self.jobs: dict[str, str] = {}
-        self.submitted: list[str] = []
-
-    def submit(self, row: JobRow, package: bytes | None) -> None:
-        if row.submission_id in self.jobs:
-            raise AssertionError(f"{row.submission_id} submitted twice")
-        self.jobs[row.submission_id] = "RUNNING"
-        self.submitted.append(row.submission_id)
-
-    def status(self, submission_id: str) -> str | None:
-        return self.jobs.get(submission_id)
-
-    def stop(self, submission_id: str) -> None:
-        self.jobs[submission_id] = "STOPPED"
-
-    def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
-        return (Resources(cpus=4),), (Resources(cpus=4),)
-
-    def placed(self, submission_id: str) -> bool:
-        return True
 
 
 def _spec(job_id: str, package_uri: str = "") -> JobSpec:
@@ -54,18 +28,18 @@ def _spec(job_id: str, package_uri: str = "") -> JobSpec:
                    package_uri=package_uri)
 
 
-def _queue(tmp_path: Path, server: _JobServer, clock: list[float]) -> JobQueue:
+def _queue(tmp_path: Path, server: FakeJobServer, clock: list[float]) -> JobQueue:
     return JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), server, clock=lambda: clock[0])
 
 
-def _run_to_the_end(queue: JobQueue, server: _JobServer, job_id: str) -> None:
+def _run_to_the_end(queue: JobQueue, server: FakeJobServer, job_id: str) -> None:
     assert queue.tick() == [job_id]
-    server.jobs[server.submitted[-1]] = "SUCCEEDED"
+    server.exit(server.submitted[-1], 0)
     queue.tick()
 
 
 def test_an_id_the_job_server_already_has_is_refused_not_adopted(tmp_path: Path) -> None:
-    server, clock = _JobServer(), [100.0]
+    server, clock = FakeJobServer(), [100.0]
     server.jobs["raydeck-run1"] = "FAILED"  # started outside the queue
     queue = _queue(tmp_path, server, clock)
     with pytest.raises(ConfigError, match=r"^job raydeck-run1: the job server already has a "
@@ -76,7 +50,7 @@ def test_an_id_the_job_server_already_has_is_refused_not_adopted(tmp_path: Path)
 
 
 def test_an_ended_jobs_id_is_queued_again_under_a_new_submission_id(tmp_path: Path) -> None:
-    server, clock = _JobServer(), [100.0]
+    server, clock = FakeJobServer(), [100.0]
     queue = _queue(tmp_path, server, clock)
     queue.submit(_spec("nightly"))
     with pytest.raises(ConfigError, match=r"^job nightly is already in the queue \(queued\); "
@@ -93,7 +67,7 @@ def test_an_ended_jobs_id_is_queued_again_under_a_new_submission_id(tmp_path: Pa
 
 def test_ended_jobs_and_unused_packages_are_deleted_after_the_retention(
         tmp_path: Path) -> None:
-    server, clock = _JobServer(), [100.0]
+    server, clock = FakeJobServer(), [100.0]
     queue = _queue(tmp_path, server, clock)
     queue.submit(_spec("old", "gcs://_ray_pkg_old.zip"), b"old zip")
     _run_to_the_end(queue, server, "old")
@@ -122,7 +96,7 @@ def test_fair_share_survives_history_out_of_order_by_any_number_of_half_lives(
     assert math.isfinite(policy.usage("a", 0.0))  # a clock read out of order neither
     # The queue starts over such history (its replay is by submission time, not end time).
     store = Store(f"sqlite:///{tmp_path / 'q.db'}")
-    server, clock = _JobServer(), [REPLAY_S]
+    server, clock = FakeJobServer(), [REPLAY_S]
     queue = _queue(tmp_path, server, clock)
     queue.set_policy("fairshare")
     for job_id, submitted, ended in (("late", 0.0, REPLAY_S - 1), ("early", 1.0, 2.0)):

@@ -21,47 +21,17 @@ from raydeck import preemption
 from raydeck.errors import JobPreemptedError
 from raydeck.scheduling.policies import POLICIES, Resources, make_policy
 from raydeck.scheduling.preemption_rules import MIN_RUN_BEFORE_PREEMPTION_S
-from raydeck.scheduling.queue import JobQueue, JobSpec, Launcher
+from raydeck.scheduling.queue import JobQueue, JobSpec
 from raydeck.scheduling.simulator import TraceJob, simulate
-from raydeck.scheduling.store import JobRow, Store
+from raydeck.scheduling.store import Store
 from raydeck.training import end_if_preempted
+from tests.fixtures.fake_job_server import FakeJobServer
 
 pytestmark = pytest.mark.timeout(60)
 
 # Every policy make_policy builds (backfill over another base too).
 ALL_POLICIES = [*POLICIES, "backfill-priority", "backfill-fairshare"]
 HOUR = 3600.0
-
-
-class _JobServer(Launcher):
-    """One 4-CPU node. A job runs until the test ends it as its driver would exit:
-    :meth:`exit` with 0 (SUCCEEDED) or the preempted status 75 (FAILED)."""
-
-    def __init__(self) -> None:
-        self.jobs: dict[str, str] = {}
-        self.cpus: dict[str, float] = {}
-        self.submitted: list[str] = []
-
-    def submit(self, row: JobRow, package: bytes | None) -> None:
-        self.jobs[row.submission_id] = "RUNNING"
-        self.cpus[row.submission_id] = row.cpus
-        self.submitted.append(row.submission_id)
-
-    def status(self, submission_id: str) -> str | None:
-        return self.jobs.get(submission_id)
-
-    def stop(self, submission_id: str) -> None:
-        self.jobs[submission_id] = "STOPPED"
-
-    def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
-        used = sum(self.cpus[s] for s, status in self.jobs.items() if status == "RUNNING")
-        return (Resources(cpus=4 - used),), (Resources(cpus=4),)
-
-    def placed(self, submission_id: str) -> bool:
-        return True
-
-    def exit(self, submission_id: str, code: int) -> None:
-        self.jobs[submission_id] = "SUCCEEDED" if code == 0 else "FAILED"
 
 
 def _spec(job_id: str, priority: int, estimate_s: float = HOUR) -> JobSpec:
@@ -74,10 +44,10 @@ def _row(queue: JobQueue, job_id: str) -> Any:
     return entry
 
 
-def _setup(tmp_path: Path, policy: str) -> tuple[JobQueue, _JobServer, list[float]]:
+def _setup(tmp_path: Path, policy: str) -> tuple[JobQueue, FakeJobServer, list[float]]:
     """B (priority 0, the whole node) running with a checkpoint; H (priority 5, the whole
     node) queued 2 h after B, so that B, once requeued, has waited past the aging bound."""
-    server, clock = _JobServer(), [0.0]
+    server, clock = FakeJobServer(), [0.0]
     queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), server, clock=lambda: clock[0])
     queue.set_policy(policy)
     queue.submit(_spec("B", 0, estimate_s=4 * HOUR))
