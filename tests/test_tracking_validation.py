@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 from typing import Any
 
@@ -93,3 +94,26 @@ def test_unknown_mlflow_run_id_is_one_clear_error(ray_cluster: None) -> None:
 
     with pytest.raises(ConfigError, match="looks like an MLflow run id, but MLflow at"):
         raydeck.get_tracker("0123456789abcdef0123456789abcdef")
+
+
+@pytest.mark.timeout(60)
+def test_limits_are_mlflows_own() -> None:
+    """The limits are written out (importing MLflow costs every training process ~2 CPU-s);
+    they must still be the installed MLflow's."""
+    from mlflow.utils import validation as mlflow_validation
+
+    from raydeck.tracking import validation
+
+    for name in ("MAX_ENTITY_KEY_LENGTH", "MAX_PARAM_VAL_LENGTH", "MAX_TAG_VAL_LENGTH"):
+        assert getattr(validation, name) == getattr(mlflow_validation, name), name
+
+
+@pytest.mark.timeout(60)
+def test_training_processes_do_not_import_mlflow() -> None:
+    """A Train worker or job driver imports the tracker and the training runtime; only the
+    proxy's shards write to MLflow, so neither MLflow nor pandas may be loaded by that import."""
+    code = ("import sys, raydeck, raydeck.training, raydeck.tracking; "
+            "print(sorted(m for m in ('mlflow', 'pandas') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=50)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

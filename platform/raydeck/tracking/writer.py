@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import importlib
 import logging
 import os
 import re
@@ -21,14 +22,15 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from raydeck.redaction import quiet_mlflow_urls
 from raydeck.tracking.messages import DatasetRef, Point
+
+if TYPE_CHECKING:
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.tracking import MlflowClient
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,24 @@ _S3_CODE_IN_TEXT = re.compile(r"An error occurred \(([\w.]+)\)")
 _ERRNO_IN_TEXT = re.compile(r"\[Errno (\d+)\]")
 # A server that answered with an error status (not one that could not be reached).
 _ANSWERED_IN_TEXT = re.compile(r"too many \d{3} error responses|Response body|error code \d{3}")
+
+
+_MLFLOW_IMPORT_LOCK = threading.Lock()
+
+
+def mlflow_client_api() -> ModuleType:
+    """The ``mlflow`` package with its client, entities and exceptions imported.
+
+    Why not a module-level import: every training process imports this module through the
+    tracker, and importing any part of MLflow costs about 2 CPU-s, while only the proxy's shards
+    and lookups talk to MLflow. :class:`MlflowWriter` calls this when it is made, before its
+    threads start. The lock: writer threads that imported MLflow at once deadlocked on Python's
+    per-module import locks ("partially initialized module 'mlflow'").
+    """
+    with _MLFLOW_IMPORT_LOCK:
+        for name in ("mlflow.entities", "mlflow.exceptions", "mlflow.tracking"):
+            importlib.import_module(name)
+        return importlib.import_module("mlflow")
 
 
 class TransientWriteError(Exception):
@@ -98,7 +118,7 @@ class FailurePolicy:
 
     def _classify_one(self, exc: BaseException) -> Verdict | None:
         text = _short(exc)
-        if isinstance(exc, MlflowException):
+        if isinstance(exc, mlflow_client_api().exceptions.MlflowException):
             status = exc.get_http_status_code()
             # 401: the proxy's credentials are missing or expired, which is about the
             # connection, not the value: retried (loudly) until someone fixes them.
@@ -204,6 +224,7 @@ class MlflowWriter:
 
     def __init__(self, tracking_uri: str, policy: FailurePolicy | None = None) -> None:
         os.environ.update(MLFLOW_REQUEST_ENV)
+        self._mlflow = mlflow_client_api()
         quiet_mlflow_urls(tracking_uri)
         self.tracking_uri = tracking_uri
         self.policy = policy or FailurePolicy()
@@ -219,7 +240,8 @@ class MlflowWriter:
             with self._client_lock:
                 if self._client is None:
                     with _store_init_lock(self.tracking_uri):
-                        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+                        self._client = self._mlflow.tracking.MlflowClient(
+                            tracking_uri=self.tracking_uri)
         return self._client
 
     def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -243,9 +265,10 @@ class MlflowWriter:
             TransientWriteError: nothing can be said yet; call again with the same values.
         """
         refused: list[tuple[str, str, str]] = []
-        self._chunk(run_id, [Metric(k, v, ts, step) for k, v, ts, step in points],
-                    [Param(k, v) for k, v in params.items()],
-                    [RunTag(k, v) for k, v in tags.items()], refused)
+        entities = self._mlflow.entities
+        self._chunk(run_id, [entities.Metric(k, v, ts, step) for k, v, ts, step in points],
+                    [entities.Param(k, v) for k, v in params.items()],
+                    [entities.RunTag(k, v) for k, v in tags.items()], refused)
         return refused
 
     def _chunk(self, run_id: str, metrics: list[Metric], params: list[Param],
@@ -266,16 +289,15 @@ class MlflowWriter:
             self._chunk(run_id, *part, refused)
 
     def log_input(self, run_id: str, dataset: DatasetRef) -> None:
-        from mlflow.entities import Dataset, DatasetInput, InputTag
-
-        tags = [InputTag(k, v) for k, v in dataset.tags.items()]
+        entities = self._mlflow.entities
+        tags = [entities.InputTag(k, v) for k, v in dataset.tags.items()]
         if dataset.context:
-            tags.append(InputTag("mlflow.data.context", dataset.context))
-        entity = Dataset(name=dataset.name, digest=dataset.digest,
+            tags.append(entities.InputTag("mlflow.data.context", dataset.context))
+        entity = entities.Dataset(name=dataset.name, digest=dataset.digest,
                          source_type=dataset.source_type, source=dataset.source,
                          schema=dataset.schema or None, profile=dataset.profile or None)
         self._call("log_inputs", "log_inputs", run_id,
-                   datasets=[DatasetInput(dataset=entity, tags=tags)])
+                   datasets=[entities.DatasetInput(dataset=entity, tags=tags)])
 
     # --- artifacts --------------------------------------------------------------------------
     def upload_file(self, run_id: str, path: Path, artifact_dir: str) -> None:
@@ -300,7 +322,7 @@ class MlflowWriter:
                 return self._call("get_run", "get_run", key)
             except PermanentWriteError as exc:
                 cause = exc.__cause__
-                if not (isinstance(cause, MlflowException)
+                if not (isinstance(cause, self._mlflow.exceptions.MlflowException)
                         and cause.get_http_status_code() == 404):
                     raise
         if experiment_ids is None:
