@@ -21,12 +21,17 @@ from tests.fixtures.s3_server import S3Server
 # suite fast; they are the same code paths as the defaults.
 TEST_ENV = {
     "RAYDECK_TRACKING_FLUSH_INTERVAL_S": "0.1",
-    "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "1",
+    # Every tracked process samples and logs system metrics; 5 s (the default is 10) keeps
+    # them in every run without a stream of writes through the proxy to MLflow.
+    "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "5",
     "RAYDECK_TRACKING_LOST_AFTER_S": "15",
     "RAYDECK_TRACKING_FINISH_TIMEOUT_S": "60",
     "RAYDECK_LOG_LEVEL": "INFO",
     # Ray Train polls its workers every 2 s by default; 0.5 s saves seconds per job.
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    # Ray Train's spot-node preemption watcher is one more actor process per fit (about 2 CPU-s
+    # to start); no test drains a node, and raydeck's own preemption does not use it.
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
     # The in-process cluster runs without token auth, pinned so no earlier run decides it;
     # tests of `ray job submit` start their own head with RAY_AUTH_MODE=token.

@@ -9,6 +9,7 @@ processes it started.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -147,6 +148,14 @@ def test_raydeck_fills_runtime_envs_from_the_submitting_environment_but_never_se
     }
     assert load_runtime_env(REPO / "runtime_envs/local.yaml", env={}, working_dir=tmp_path
                             )["env_vars"] == {"RAYDECK_DATA_DIR": f"{tmp_path}/.raydeck"}
+    # MLflow's own variable, when raydeck's is not set: the job logs where the shell points
+    # (and where `raydeck submit` looks its run up), not where the head's environment does.
+    mlflow_only = load_runtime_env(REPO / "runtime_envs/cpu.yaml", env={
+        "MLFLOW_TRACKING_URI": "http://mlflow.internal:5000"})["env_vars"]
+    assert mlflow_only["RAYDECK_TRACKING_URI"] == "http://mlflow.internal:5000"
+    assert load_runtime_env(REPO / "runtime_envs/cpu.yaml", env={
+        **submitting, "MLFLOW_TRACKING_URI": "http://other:5000"}
+    )["env_vars"]["RAYDECK_TRACKING_URI"] == "http://mlflow:5000"
     # --cluster-env: everything as written, for the nodes to fill in.
     as_written = load_runtime_env(REPO / "runtime_envs/cpu.yaml", env=submitting, fill=False)
     assert as_written["env_vars"]["RAYDECK_TRACKING_URI"] == "${RAYDECK_TRACKING_URI}"
@@ -296,11 +305,18 @@ def _raw_accuracy(mlflow_client: Any, uri: str) -> float:
 def test_raydeck_submit_runs_the_lightning_job_then_lists_it(
     ray_head: RayHead, mlflow_client: Any
 ) -> None:
-    # An experiment set only in the submitting shell: the job logs there (the head's
-    # environment does not name it), and submit finds the run there.
+    # A shell as an MLflow and Ray user has it: the cluster named by RAY_ADDRESS in its GCS
+    # form (raydeck reads the job server's address from the head's GCS), MLflow only by
+    # MLFLOW_TRACKING_URI, spelled differently from the head's own RAYDECK_TRACKING_URI so the
+    # run shows which one the job used. An experiment set only in this shell: the job logs
+    # there (the head's environment does not name it), and submit finds the run there.
     experiment = f"shell-only-{uuid.uuid4().hex[:6]}"
-    env = _submit_env(ray_head, RAYDECK_DATA_DIR=ray_head.env["RAYDECK_DATA_DIR"],
-                      RAYDECK_TRACKING_EXPERIMENT=experiment)
+    shell_uri = ray_head.env["RAYDECK_TRACKING_URI"].replace("127.0.0.1", "localhost")
+    assert shell_uri != ray_head.env["RAYDECK_TRACKING_URI"]
+    env = {**_clean_env(), **ray_head.client_env, "RAY_ADDRESS": ray_head.gcs_address,
+           "MLFLOW_TRACKING_URI": shell_uri, "COLUMNS": "250",
+           "RAYDECK_DATA_DIR": ray_head.env["RAYDECK_DATA_DIR"],
+           "RAYDECK_TRACKING_EXPERIMENT": experiment}
     model_name = f"lightning-{uuid.uuid4().hex[:6]}"
     done = _raydeck("submit", "jobs/digits_lightning.py", "--runtime-env",
                     "runtime_envs/cpu.yaml", "--preset", "cpu-2", "--run-name", "submitted",
@@ -317,9 +333,12 @@ def test_raydeck_submit_runs_the_lightning_job_then_lists_it(
           f"{_job_seconds(ray_head, submission_id):.0f} s")
     run = _run_of(mlflow_client, run_id, experiment)
     _assert_both_workers_logged(mlflow_client, run, ("train_loss_epoch", "val_accuracy"))
-    link = f"{ray_head.env['RAYDECK_TRACKING_URI']}/#/experiments/{run.info.experiment_id}" \
-           f"/runs/{run.info.run_id}"
+    link = f"{shell_uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
     assert f"SUCCEEDED {submission_id}" in out and link in out
+    # The job's own tracker logged to the shell's MLFLOW_TRACKING_URI, not the head's URI.
+    job_env = json.loads(Path(mlflow_client.download_artifacts(
+        run.info.run_id, "raydeck/runtime_env.json")).read_text())["env_vars"]
+    assert job_env.get("RAYDECK_TRACKING_URI") == shell_uri, job_env
     token = Path(ray_head.token_path).read_text()
     assert token not in out + done.stderr
 

@@ -483,7 +483,7 @@ def test_a_full_spool_disk_is_a_clear_error_and_loses_nothing_acknowledged(
 
     disk = tmp_path / "disk"
     disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(disk)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)],
                              capture_output=True, text=True, check=False)
     if mounted.returncode != 0:
         pytest.skip(f"mounting a tmpfs needs root (CI runs as root): {mounted.stderr.strip()}")

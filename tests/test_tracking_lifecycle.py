@@ -87,11 +87,13 @@ def test_a_killed_driver_leaves_its_run_killed_not_running(ray_cluster: None, ml
 
 
 @pytest.mark.timeout(180)
-def test_a_run_records_how_it_was_made(ray_cluster: None, mlflow_client: Any) -> None:
+def test_a_run_records_how_it_was_made(ray_cluster: None, mlflow_client: Any,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
     import raydeck
 
+    monkeypatch.setenv("RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S", "1")
     with raydeck.get_tracker(run_name="repro") as tracker:
-        time.sleep(2.5)  # two system-metric samples at the test interval of 1 s
+        time.sleep(2.5)  # two system-metric samples at this test's interval of 1 s
     run = mlflow_client.get_run(tracker.run_id)
     tags = run.data.tags
     assert len(tags["mlflow.source.git.commit"]) == 40

@@ -18,8 +18,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from raydeck.config import TrackingSettings
 from raydeck.errors import ConfigError
 from raydeck.redaction import is_secret_name, redact_text
+from raydeck.stack_connection import MLFLOW_TRACKING_URI_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +71,8 @@ def load_runtime_env(path: str | Path, env: Mapping[str, str] | None = None,
                      ) -> dict[str, Any]:
     """A runtime env file, ready to submit from this machine.
 
-    ``${NAME}`` in ``env_vars`` values is filled in from ``env`` (default ``os.environ``); a
+    ``${NAME}`` in ``env_vars`` values is filled in from ``env`` (default ``os.environ``;
+    ``${RAYDECK_TRACKING_URI}`` from ``MLFLOW_TRACKING_URI`` when only that is set); a
     value that is empty once filled is left out, so the cluster's own environment (or raydeck's
     default) applies. With ``fill=False`` every value stays as written and Ray fills it in on
     each node, as plain ``ray job submit`` does (for clusters that see services under other
@@ -109,6 +112,12 @@ def load_runtime_env(path: str | Path, env: Mapping[str, str] | None = None,
         ]
     # ${PWD} means the directory the submission is made from (a shell's PWD may be stale).
     values = {**env, "PWD": str(base)}
+    # MLflow's own variable names the tracking server when raydeck's is not set (the settings'
+    # precedence), so the job logs where the submitting shell points, which is also where
+    # `raydeck submit` looks its run up, not where the head's environment happens to point.
+    tracking_env = TrackingSettings.env_name("uri")
+    if not values.get(tracking_env, "").strip() and values.get(MLFLOW_TRACKING_URI_ENV, "").strip():
+        values[tracking_env] = values[MLFLOW_TRACKING_URI_ENV].strip()
     env_vars: dict[str, str] = {}
     for name, raw in dict(runtime_env.get("env_vars") or {}).items():
         value = str(raw)
