@@ -260,6 +260,9 @@ def test_the_spool_is_on_the_claim_and_the_token_a_mounted_secret() -> None:
         mount = env["RAY_AUTH_TOKEN_PATH"]["value"].rsplit("/", 1)[0]
         (volume,) = [v for v in spec["volumes"] if "secret" in v]
         assert volume["secret"]["secretName"] == "raydeck-credentials"
+        # Readable by Ray's user (group users) and nobody else.
+        assert volume["secret"]["defaultMode"] == 0o440
+        assert spec["securityContext"]["fsGroup"] == kuberay.RAY_IMAGE_GID
         assert {"name": volume["name"], "mountPath": mount, "readOnly": True} in spec[
             "containers"][0]["volumeMounts"]
 
@@ -321,7 +324,9 @@ def test_render_command_writes_the_manifests_and_no_secret(
     assert written == sorted(_render())
     assert SECRET_VALUE not in answer.output
     for path in (tmp_path / "out").rglob("*.yaml"):
-        assert SECRET_VALUE not in path.read_text()
+        text = path.read_text()
+        assert SECRET_VALUE not in text
+        assert "&id" not in text, f"{path}: a YAML alias (pods sharing an object)"
     cluster = yaml.safe_load((tmp_path / "out" / "cluster" / "raycluster.yaml").read_text())
     assert cluster["metadata"]["name"] == "team-a"
     assert cluster["spec"]["workerGroupSpecs"][1]["maxReplicas"] == 8

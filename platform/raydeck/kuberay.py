@@ -24,6 +24,7 @@ Does not own: applying anything (no Kubernetes API is called) or the Secret's va
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -56,6 +57,10 @@ SHM_SIZE = "2Gi"
 TOKEN_KEY = "RAY_AUTH_TOKEN"
 TOKEN_DIR = "/etc/raydeck/ray-auth"
 TOKEN_FILE = "token"
+# Ray's images run as user ray in group users (100): with the pods' fsGroup, the token file is
+# readable by that group only (0440) and the spool's volume writable by it.
+RAY_IMAGE_GID = 100
+TOKEN_FILE_MODE = 0o440
 # Compose's ray-head variables the pods get another way, and the one only they get: the token
 # is a mounted file, not a value; the Prometheus and Grafana the dashboard embeds are the
 # cluster's own (none is rendered), found through the PodMonitor.
@@ -181,7 +186,7 @@ def _auth_environment() -> list[dict[str, Any]]:
 
 def _token_volume(options: KubeRayOptions) -> dict[str, Any]:
     return {"name": "ray-auth", "secret": {
-        "secretName": options.secret, "defaultMode": 0o400,
+        "secretName": options.secret, "defaultMode": TOKEN_FILE_MODE,
         "items": [{"key": TOKEN_KEY, "path": TOKEN_FILE}]}}
 
 
@@ -200,8 +205,11 @@ def _resources(cpu: str, memory: str, gpus: int = 0) -> dict[str, Any]:
 def _pod(image: str, env: list[dict[str, Any]], ports: list[dict[str, Any]],
          resources: dict[str, Any], volumes: list[dict[str, Any]],
          mounts: list[dict[str, Any]], gpu: bool = False) -> dict[str, Any]:
-    """A Ray pod template: one container named ``ray`` (KubeRay's first container)."""
+    """A Ray pod template: one container named ``ray`` (KubeRay's first container). A copy of
+    everything passed in, which pods share: no part of one pod is another's (nor a YAML alias).
+    """
     spec: dict[str, Any] = {
+        "securityContext": {"fsGroup": RAY_IMAGE_GID},
         "containers": [{"name": "ray", "image": image, "env": env, "ports": ports,
                         "resources": resources, "volumeMounts": mounts}],
         "volumes": volumes,
@@ -209,7 +217,7 @@ def _pod(image: str, env: list[dict[str, Any]], ports: list[dict[str, Any]],
     if gpu:
         spec["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists",
                                 "effect": "NoSchedule"}]
-    return {"metadata": {"labels": dict(PART_OF_LABEL)}, "spec": spec}
+    return copy.deepcopy({"metadata": {"labels": dict(PART_OF_LABEL)}, "spec": spec})
 
 
 def _shm_volume() -> dict[str, Any]:
@@ -259,7 +267,7 @@ def cluster_spec(options: KubeRayOptions, settings: Settings) -> dict[str, Any]:
         "rayVersion": RAY_VERSION,
         "enableInTreeAutoscaling": True,
         # The autoscaler talks to the GCS too: it needs the token like every Ray process.
-        "autoscalerOptions": {"env": _auth_environment(), "volumeMounts": [TOKEN_MOUNT]},
+        "autoscalerOptions": {"env": _auth_environment(), "volumeMounts": [dict(TOKEN_MOUNT)]},
         "headGroupSpec": head,
         "workerGroupSpecs": workers,
     }
@@ -296,9 +304,9 @@ def _submitter_template(options: KubeRayOptions) -> dict[str, Any]:
     """The pod that runs ``ray job submit``: the image, Ray's token, nothing else (KubeRay
     adds the command and the dashboard's address)."""
     return {"metadata": {"labels": dict(PART_OF_LABEL)}, "spec": {
-        "restartPolicy": "Never",
+        "restartPolicy": "Never", "securityContext": {"fsGroup": RAY_IMAGE_GID},
         "containers": [{"name": "ray-job-submitter", "image": options.image,
-                        "env": _auth_environment(), "volumeMounts": [TOKEN_MOUNT]}],
+                        "env": _auth_environment(), "volumeMounts": [dict(TOKEN_MOUNT)]}],
         "volumes": [_token_volume(options)]}}
 
 
