@@ -239,7 +239,9 @@ def test_ports_image_and_paths_are_the_compose_files() -> None:
     gpu = spec["workerGroupSpecs"][1]["template"]["spec"]["containers"][0]
     assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
     monitor = manifests[f"{kuberay.CLUSTER_DIR}/podmonitor.yaml"]["spec"]
-    assert monitor["podMetricsEndpoints"] == [{"port": "metrics"}]
+    (endpoint,) = monitor["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics"
+    assert endpoint["relabelings"][0]["targetLabel"] == "ray_io_cluster"  # dashboards' $cluster
     assert all(any(p["name"] == "metrics" for p in t["spec"]["containers"][0]["ports"])
                for t in _pod_templates(manifests)[:3])
 

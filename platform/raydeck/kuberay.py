@@ -34,6 +34,7 @@ import yaml
 
 from raydeck.errors import ConfigError
 from raydeck.jobs import JobRequest, new_run_id, submitted_metadata, submitted_runtime_env
+from raydeck.observability.prometheus import CLUSTER_LABEL
 from raydeck.serving import ServeOptions, serve_config
 from raydeck.stack.services import SECRET_SETTINGS_ENV, service, settings_env
 
@@ -293,11 +294,14 @@ def spool_claim(options: KubeRayOptions) -> dict[str, Any]:
 
 
 def pod_monitor(options: KubeRayOptions) -> dict[str, Any]:
-    """Prometheus Operator scrapes every Ray pod's metrics port (Ray's and raydeck's metrics)."""
+    """Prometheus Operator scrapes every Ray pod's metrics port (Ray's and raydeck's metrics),
+    each series labelled with its cluster as the dashboards' ``cluster`` variable reads it."""
+    relabel = {"sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"],
+               "targetLabel": CLUSTER_LABEL}
     return {"apiVersion": PODMONITOR_API_VERSION, "kind": "PodMonitor",
             "metadata": _metadata(options.name),
             "spec": {"selector": {"matchLabels": {"ray.io/cluster": options.name}},
-                     "podMetricsEndpoints": [{"port": "metrics"}]}}
+                     "podMetricsEndpoints": [{"port": "metrics", "relabelings": [relabel]}]}}
 
 
 def _submitter_template(options: KubeRayOptions) -> dict[str, Any]:
