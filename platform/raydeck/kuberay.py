@@ -62,6 +62,9 @@ TOKEN_FILE = "token"
 # readable by that group only (0440) and the spool's volume writable by it.
 RAY_IMAGE_GID = 100
 TOKEN_FILE_MODE = 0o440
+TOKEN_MOUNT = {"name": "ray-auth", "mountPath": TOKEN_DIR, "readOnly": True}
+SHM_MOUNT = {"name": "shm", "mountPath": "/dev/shm"}
+SPOOL_MOUNT = {"name": "spool", "mountPath": CONTAINER_DATA_DIR}
 # Compose's ray-head variables the pods get another way, and the one only they get: the token
 # is a mounted file, not a value; the Prometheus and Grafana the dashboard embeds are the
 # cluster's own (none is rendered), found through the PodMonitor.
@@ -167,7 +170,7 @@ def _compose_url(name: str) -> str:
 
 
 # --- pieces every pod shares ------------------------------------------------------------------
-def pod_environment(options: KubeRayOptions, settings: Settings) -> list[dict[str, Any]]:
+def _pod_environment(options: KubeRayOptions, settings: Settings) -> list[dict[str, Any]]:
     """The environment of every Ray container: raydeck's settings (the credentials by
     reference), and Ray's token authentication with the token as a file."""
     values = settings_env(settings, data_dir=CONTAINER_DATA_DIR,
@@ -186,14 +189,10 @@ def _auth_environment() -> list[dict[str, Any]]:
 
 
 def _token_volume(options: KubeRayOptions) -> dict[str, Any]:
-    return {"name": "ray-auth", "secret": {
+    return {"name": TOKEN_MOUNT["name"], "secret": {
         "secretName": options.secret, "defaultMode": TOKEN_FILE_MODE,
         "items": [{"key": TOKEN_KEY, "path": TOKEN_FILE}]}}
 
-
-TOKEN_MOUNT = {"name": "ray-auth", "mountPath": TOKEN_DIR, "readOnly": True}
-SHM_MOUNT = {"name": "shm", "mountPath": "/dev/shm"}
-SPOOL_MOUNT = {"name": "spool", "mountPath": CONTAINER_DATA_DIR}
 
 
 def _resources(cpu: str, memory: str, gpus: int = 0) -> dict[str, Any]:
@@ -223,17 +222,17 @@ def _pod(image: str, env: list[dict[str, Any]], ports: list[dict[str, Any]],
 
 def _shm_volume() -> dict[str, Any]:
     """Compose's ``shm_size``: Ray's object store lives in /dev/shm."""
-    return {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}
+    return {"name": SHM_MOUNT["name"], "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}}
 
 
-def spool_claim_name(options: KubeRayOptions) -> str:
+def _spool_claim_name(options: KubeRayOptions) -> str:
     return f"{options.name}-spool"
 
 
 # --- the objects ------------------------------------------------------------------------------
 def cluster_spec(options: KubeRayOptions, settings: Settings) -> dict[str, Any]:
     """The RayCluster's ``spec``, also the RayService's ``rayClusterConfig``."""
-    env = pod_environment(options, settings)
+    env = _pod_environment(options, settings)
     metrics = {"name": "metrics", "containerPort": METRICS_EXPORT_PORT}
     head_ports = [{"name": KUBERAY_PORT_NAMES[port.name], "containerPort": port.default}
                   for port in service("ray-head").ports]
@@ -245,8 +244,8 @@ def cluster_spec(options: KubeRayOptions, settings: Settings) -> dict[str, Any]:
                            "metrics-export-port": str(METRICS_EXPORT_PORT)},
         "template": _pod(options.image, env, head_ports, _resources(HEAD_CPU, HEAD_MEMORY),
                          [_token_volume(options), _shm_volume(),
-                          {"name": "spool", "persistentVolumeClaim": {
-                              "claimName": spool_claim_name(options)}}],
+                          {"name": SPOOL_MOUNT["name"], "persistentVolumeClaim": {
+                              "claimName": _spool_claim_name(options)}}],
                          [TOKEN_MOUNT, SHM_MOUNT, SPOOL_MOUNT]),
     }
     workers = []
@@ -290,7 +289,7 @@ def spool_claim(options: KubeRayOptions) -> dict[str, Any]:
     if options.storage_class:
         spec["storageClassName"] = options.storage_class
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-            "metadata": _metadata(spool_claim_name(options)), "spec": spec}
+            "metadata": _metadata(_spool_claim_name(options)), "spec": spec}
 
 
 def pod_monitor(options: KubeRayOptions) -> dict[str, Any]:
