@@ -306,6 +306,8 @@ def test_options_are_checked() -> None:
         kuberay.WorkerBounds.parse("5:2", "--cpu-workers")
     with pytest.raises(ConfigError, match="--name"):
         kuberay.KubeRayOptions(name="Ray_Deck")
+    with pytest.raises(ConfigError, match="--tracking-uri"):
+        kuberay.KubeRayOptions(tracking_uri="sqlite:///mlflow.db")  # a pod's own disk
     with pytest.raises(ConfigError, match="--spool-size"):
         kuberay.KubeRayOptions(spool_size="lots")
     with pytest.raises(ConfigError, match="--job"):

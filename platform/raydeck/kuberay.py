@@ -85,7 +85,7 @@ GPU_WORKER_CPU, GPU_WORKER_MEMORY = "8", "32Gi"
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
-_URL = re.compile(r"^https?://[^/\s]+/?$")
+_HTTP_URL = re.compile(r"^https?://[^/\s]+\S*$")
 
 
 @dataclass(frozen=True)
@@ -154,9 +154,9 @@ class KubeRayOptions:
         if not self.s3_endpoint:
             object.__setattr__(self, "s3_endpoint", _compose_url("s3"))
         for field in ("tracking_uri", "s3_endpoint"):
-            if not _URL.match(getattr(self, field)):
+            if not _HTTP_URL.match(getattr(self, field)):
                 raise ConfigError(f"--{field.replace('_', '-')} {getattr(self, field)!r}: "
-                                  "must look like http(s)://host:port")
+                                  "must be an http(s):// URL the pods reach")
 
 
 def _object_name(text: str) -> str:
