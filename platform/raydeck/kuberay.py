@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from raydeck.errors import ConfigError
-from raydeck.jobs import JobRequest, new_run_id, submitted_metadata, submitted_runtime_env
+from raydeck.jobs import (
+    JobRequest,
+    default_run_name,
+    new_run_id,
+    submitted_metadata,
+    submitted_runtime_env,
+)
 from raydeck.observability.prometheus import CLUSTER_LABEL
 from raydeck.serving import ServeOptions, serve_config
 from raydeck.stack.services import SECRET_SETTINGS_ENV, service, settings_env
@@ -53,6 +59,7 @@ DEFAULT_GPU_IMAGE = f"raydeck:{RAY_VERSION}-py311-gpu"
 CONTAINER_DATA_DIR = "/home/ray/raydeck-data"
 IMAGE_CODE_DIR = "/home/ray/raydeck"
 METRICS_EXPORT_PORT = 8080
+METRICS_PORT_NAME = "metrics"
 SHM_SIZE = "2Gi"
 # Ray's token, mounted from the Secret's RAY_AUTH_TOKEN key.
 TOKEN_KEY = "RAY_AUTH_TOKEN"
@@ -233,7 +240,7 @@ def _spool_claim_name(options: KubeRayOptions) -> str:
 def cluster_spec(options: KubeRayOptions, settings: Settings) -> dict[str, Any]:
     """The RayCluster's ``spec``, also the RayService's ``rayClusterConfig``."""
     env = _pod_environment(options, settings)
-    metrics = {"name": "metrics", "containerPort": METRICS_EXPORT_PORT}
+    metrics = {"name": METRICS_PORT_NAME, "containerPort": METRICS_EXPORT_PORT}
     head_ports = [{"name": KUBERAY_PORT_NAMES[port.name], "containerPort": port.default}
                   for port in service("ray-head").ports]
     head_ports += [metrics, {"name": SERVE_PORT_NAME, "containerPort": ServeOptions.port}]
@@ -300,7 +307,8 @@ def pod_monitor(options: KubeRayOptions) -> dict[str, Any]:
     return {"apiVersion": PODMONITOR_API_VERSION, "kind": "PodMonitor",
             "metadata": _metadata(options.name),
             "spec": {"selector": {"matchLabels": {"ray.io/cluster": options.name}},
-                     "podMetricsEndpoints": [{"port": "metrics", "relabelings": [relabel]}]}}
+                     "podMetricsEndpoints": [{"port": METRICS_PORT_NAME,
+                                              "relabelings": [relabel]}]}}
 
 
 def _submitter_template(options: KubeRayOptions) -> dict[str, Any]:
@@ -313,7 +321,7 @@ def _submitter_template(options: KubeRayOptions) -> dict[str, Any]:
         "volumes": [_token_volume(options)]}}
 
 
-def job_request(job_file: str, preset: str, run_name: str = "") -> JobRequest:
+def job_request(job_file: str, preset: str) -> JobRequest:
     """``raydeck submit``'s request for ``job_file`` as it runs from the image: the job
     contract's variables, the image's copy of the repository as the working dir (raydeck's
     settings are the nodes' environment).
@@ -324,7 +332,7 @@ def job_request(job_file: str, preset: str, run_name: str = "") -> JobRequest:
     if Path(job_file).is_absolute() or ".." in Path(job_file).parts:
         raise ConfigError(f"--job {job_file!r}: give it relative to the repository (the image "
                           f"copies it to {IMAGE_CODE_DIR}), e.g. jobs/digits_torch.py")
-    name = run_name or Path(job_file).stem.replace("_", "-")
+    name = default_run_name(job_file)
     return JobRequest(job_file=job_file, preset=preset, run_name=name,
                       run_id=new_run_id(name), runtime_env={"working_dir": IMAGE_CODE_DIR})
 
