@@ -344,6 +344,11 @@ class JobRequest:
         return hashlib.sha256(same.encode()).hexdigest()[:32]
 
 
+def default_run_name(job_file: str) -> str:
+    """The run name of a job submitted without one: its file's name (``digits-torch``)."""
+    return Path(job_file).stem.replace("_", "-")
+
+
 def new_run_id(run_name: str) -> str:
     """A fresh run id for ``run_name``: readable, unique, and legal as ``RAYDECK_RUN_ID``."""
     stem = re.sub(r"[^\w.\-]+", "-", run_name).strip("-")[:40] or "run"

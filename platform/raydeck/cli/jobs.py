@@ -76,8 +76,6 @@ def submit(
     RAY_AUTH_TOKEN_PATH or, for a cluster on this machine only, ~/.ray/auth_token
     (RAY_AUTH_MODE=disabled sends none); it is never printed.
     """
-    from pathlib import Path
-
     from raydeck.config import RUN_KEY_PATTERN, load_settings
     from raydeck.errors import ConfigError
     from raydeck.jobs import (
@@ -85,6 +83,7 @@ def submit(
         JobServer,
         check_job_file,
         contract_conflicts,
+        default_run_name,
         find_run,
         new_run_id,
         probe,
@@ -109,7 +108,7 @@ def submit(
                           f"and queues it as preset {DEFAULT_PRESET} (RAYDECK_PRESET): pass "
                           f"--preset to submit instead[/]", soft_wrap=True)
     chosen = get_preset(preset or DEFAULT_PRESET, settings.presets_file)
-    name = run_name or Path(job_file).stem.replace("_", "-")
+    name = run_name or default_run_name(job_file)
     if run_id is not None and not RUN_KEY_PATTERN.match(run_id):
         raise ConfigError(f"--run-id={run_id!r}: may hold 1-128 letters, digits, _ . - only")
     if priority < 0:

@@ -16,6 +16,7 @@ from raydeck.cli import (
     dashboards,
     demo,
     jobs,
+    k8s,
     models,
     monitoring,
     presets,
@@ -74,6 +75,7 @@ app.add_typer(settings_cmd.app, name="config")
 app.add_typer(storage.app, name="storage")
 app.add_typer(dashboards.app, name="dashboards")
 app.add_typer(monitoring.app, name="monitoring")
+app.add_typer(k8s.app, name="k8s")
 app.command("up")(stack.up)
 app.command("down")(stack.down)
 app.command("ps")(stack.ps)

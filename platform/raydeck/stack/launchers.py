@@ -22,7 +22,7 @@ import requests
 
 from raydeck.config import Settings, StorageSettings
 from raydeck.errors import StackError, StorageError
-from raydeck.stack import postgres
+from raydeck.stack import postgres, services
 from raydeck.stack.processes import RunAs, free_port, port_free
 from raydeck.stack.services import LOOPBACK, MARKER_ENV, SERVICE_ENV, ServiceSpec, service
 from raydeck.stack.state import StackPaths, StackState
@@ -82,17 +82,11 @@ class StackContext:
         """Compose's ``x-raydeck-settings``: raydeck's settings for processes running raydeck."""
         storage = self.storage()
         return {
-            "RAYDECK_DATA_DIR": str(self.settings.data_dir),
-            "RAYDECK_LOG_LEVEL": self.settings.log_level,
-            "RAYDECK_TRACKING_URI": self.url("mlflow"),
-            "RAYDECK_TRACKING_EXPERIMENT": self.settings.tracking.experiment,
-            "RAYDECK_S3_ENDPOINT": storage.endpoint,
-            "RAYDECK_S3_REGION": storage.region,
+            **services.settings_env(self.settings, data_dir=str(self.settings.data_dir),
+                                    tracking_uri=self.url("mlflow"),
+                                    s3_endpoint=storage.endpoint),
             "RAYDECK_S3_ACCESS_KEY_ID": storage.access_key_id,
             "RAYDECK_S3_SECRET_ACCESS_KEY": storage.secret_access_key.reveal(),
-            "RAYDECK_S3_ARTIFACTS_BUCKET": storage.artifacts_bucket,
-            "RAYDECK_S3_CHECKPOINTS_BUCKET": storage.checkpoints_bucket,
-            "RAYDECK_S3_PREFIX": storage.prefix,
         }
 
     def ray_auth_env(self) -> dict[str, str]:

@@ -21,8 +21,12 @@ Does not own: starting anything (:mod:`raydeck.stack.supervisor`) or the state d
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from raydeck.errors import ConfigError
+
+if TYPE_CHECKING:
+    from raydeck.config import Settings
 
 # Compose's defaults for its PostgreSQL (``${POSTGRES_USER:-mlflow}``, ``${POSTGRES_DB:-mlflow}``).
 POSTGRES_USER = "mlflow"
@@ -72,6 +76,36 @@ class ServiceSpec:
     local_env: tuple[str, ...] = ()
     compose_env: tuple[str, ...] = ()
     startup_timeout_s: float = 120.0
+
+
+# Compose's ``x-raydeck-settings`` that are credentials: a process gets them from the stack's
+# credentials (locally) or a Kubernetes Secret (KubeRay), never as a written value.
+SECRET_SETTINGS_ENV = ("RAYDECK_S3_ACCESS_KEY_ID", "RAYDECK_S3_SECRET_ACCESS_KEY")
+
+
+def settings_env(settings: Settings, *, data_dir: str, tracking_uri: str,
+                 s3_endpoint: str) -> dict[str, str]:
+    """Compose's ``x-raydeck-settings`` without its credentials (:data:`SECRET_SETTINGS_ENV`):
+    the variables every process that runs raydeck gets, for ``raydeck up`` and the KubeRay
+    manifests alike.
+
+    Args:
+        settings: the user's settings (log level, experiment, region, buckets, prefix).
+        data_dir: where the tracking spool lives in that deployment.
+        tracking_uri, s3_endpoint: the deployment's MLflow and S3 as its processes reach them.
+    """
+    storage = settings.storage
+    return {
+        "RAYDECK_DATA_DIR": data_dir,
+        "RAYDECK_LOG_LEVEL": settings.log_level,
+        "RAYDECK_TRACKING_URI": tracking_uri,
+        "RAYDECK_TRACKING_EXPERIMENT": settings.tracking.experiment,
+        "RAYDECK_S3_ENDPOINT": s3_endpoint,
+        "RAYDECK_S3_REGION": storage.region,
+        "RAYDECK_S3_ARTIFACTS_BUCKET": storage.artifacts_bucket,
+        "RAYDECK_S3_CHECKPOINTS_BUCKET": storage.checkpoints_bucket,
+        "RAYDECK_S3_PREFIX": storage.prefix,
+    }
 
 
 # Every local process also gets these (never a container: it has neither).
