@@ -44,15 +44,18 @@ class QueueActor:
         from raydeck.scheduling.queue import JobQueue
         from raydeck.scheduling.ray_jobs import RayJobs
         from raydeck.scheduling.store import Store
+        from raydeck.scheduling.witness import MlflowRuns
 
         logging.getLogger("raydeck").setLevel(logging.INFO)
         settings = load_settings()
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         url = os.environ.get(DATABASE_URL_ENV) or f"sqlite:///{settings.data_dir / 'queue.db'}"
-        history = MlflowHistory(settings.tracking.uri) if settings.tracking.enabled else None
+        tracking = settings.tracking.enabled
         self._jobs = RayJobs(server)
-        self._queue = JobQueue(Store(url), TimedLauncher(self._jobs), observer=QueueMetrics(),
-                               history=history)
+        self._queue = JobQueue(
+            Store(url), TimedLauncher(self._jobs), observer=QueueMetrics(),
+            history=MlflowHistory(settings.tracking.uri) if tracking else None,
+            run_finished=MlflowRuns(settings.tracking.uri) if tracking else None)
         self._stop = threading.Event()
         self._tick_s = tick_s
         threading.Thread(target=self._loop, name="raydeck-queue-tick", daemon=True).start()

@@ -31,7 +31,8 @@ resumes from that checkpoint in its run. A job told to stop that still ends SUCC
 its driver saying training ran to its end (:meth:`JobQueue.completed`) is requeued the same
 way. A job still running ``PREEMPT_GRACE_S`` after being asked is stopped by the job server
 and requeued the same way (it loses the work since its last checkpoint), and so is a started
-job the job server no longer knows (the head restarted and the job died with it).
+job the job server no longer knows (the head restarted), unless the job's own witness says it
+finished (:mod:`raydeck.scheduling.witness`): then it is recorded ``succeeded``, run once.
 
 A job whose submission fails never holds up the queue (:mod:`raydeck.scheduling.submission`):
 the jobs behind it start in the same tick.
@@ -84,6 +85,7 @@ from raydeck.scheduling.reconcile import running as _running
 from raydeck.scheduling.reconcile import told as _told
 from raydeck.scheduling.store import ACTIVE, ENDED, JobRow, JobView, Store, submission_id
 from raydeck.scheduling.submission import Submitter
+from raydeck.scheduling.witness import RunFinished, witness
 
 logger = logging.getLogger(__name__)
 
@@ -112,15 +114,19 @@ class JobQueue:
                  clock: Callable[[], float] = time.time,
                  observer: Observer | None = None,
                  history: Callable[[str], list[float]] | None = None,
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None,
+                 run_finished: RunFinished | None = None) -> None:
         """``history(key)``: how long earlier runs of the job with that key took, newest first
         (MLflow's: :class:`raydeck.scheduling.history.MlflowHistory`); the queue's own record
         of the jobs it ran is used when it has none or fails. It is called without the queue's
         lock, so it may be slow. ``backoff``: when a job whose submission failed transiently is
         tried again. ``launcher``: its calls should be bounded
         (:class:`~raydeck.scheduling.launcher.TimedLauncher`); the queue never holds its lock
-        while one runs."""
+        while one runs. ``run_finished``: whether a job's MLflow run ended FINISHED
+        (:class:`~raydeck.scheduling.witness.MlflowRuns`), asked without the lock before a job
+        the job server forgot is run again."""
         self._store = store
+        self._run_finished = run_finished
         self._backoff = backoff or Backoff()
         self._launcher = launcher
         self._history = history
@@ -327,9 +333,9 @@ class JobQueue:
         with self._ticking:
             now = self._clock()
             self._prune(now)
-            for row, status in self._statuses():
+            for row, status, finished in self._statuses():
                 try:
-                    self._reconcile(row, status, now)
+                    self._reconcile(row, status, finished, now)
                 except Exception as exc:
                     # One job (the job server briefly unreachable) never holds up the others
                     # or what starts next: it is read again at the next tick.
@@ -354,28 +360,31 @@ class JobQueue:
             logger.info("deleted %d job(s) ended over %.0f days ago and %d unused package(s)",
                         jobs, RETENTION_S / 86400, packages)
 
-    def _statuses(self) -> Iterator[tuple[JobRow, str | None]]:
-        """Each started job with the job server's status for it (asked without the lock)."""
+    def _statuses(self) -> Iterator[tuple[JobRow, str | None, str]]:
+        """Each started job with the job server's status for it and, for a job it forgot, why
+        the job's witness says it finished (:func:`witness`); all asked without the lock."""
         for row in self._store.jobs(*ACTIVE):
             try:
                 status = self._launcher.status(row.submission_id)
+                finished = witness(row, self._run_finished) if status is None else ""
             except Exception as exc:
                 logger.warning("cannot reconcile job %s now: %s", row.id, classify(exc).reason)
                 continue
-            yield row, status
+            yield row, status, finished
 
-    def _reconcile(self, row: JobRow, status: str | None, now: float) -> None:
-        """Apply the job server's ``status`` (read without the lock) to ``row``, unless the
-        job changed meanwhile (cancelled, or requeued: it is read again at the next tick)."""
+    def _reconcile(self, row: JobRow, status: str | None, finished: str, now: float) -> None:
+        """Apply the job server's ``status`` and the witness's ``finished`` (read without the
+        lock) to ``row``, unless the job changed meanwhile (cancelled, or requeued)."""
         with self._lock:
             current = self._store.get(row.id)
             if current is None or current.state not in ACTIVE or current.attempt != row.attempt:
                 return
-            decided = verdict(current, status, now)
+            decided = verdict(current, status, now, finished)
             if decided.action == "requeue":
                 self._requeue(current, now, decided.why, decided.preempted)
             elif decided.action == "end":
-                self._store.update(row.id, state=decided.state, ended_at=now)
+                self._store.update(row.id, state=decided.state, ended_at=now,
+                                   **({"reason": decided.why} if decided.why else {}))
                 self._policy.ended(_running(current, now), now)
                 self._observer.ended(current, now)
             elif decided.action == "running":
