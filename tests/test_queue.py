@@ -12,6 +12,7 @@ jobs holding the nodes take real Ray resources.
 
 from __future__ import annotations
 
+import getpass
 import json
 import shutil
 import subprocess
@@ -61,10 +62,11 @@ class Cluster:
     log: Path
     prometheus: PrometheusServer
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
+        """``raydeck ARGS``; ``user``: as that OS user name (what ``getpass`` reads)."""
+        env = {**self.env, "LOGNAME": user, "USER": user} if user else self.env
         return subprocess.run([sys.executable, "-m", "raydeck.cli", *args], cwd=self.workdir,
-                              env=self.env, capture_output=True, text=True,
-                              timeout=CLI_TIMEOUT_S)
+                              env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
 
     def submit(self, name: str, preset: str, seconds: float, team: str, priority: int = 0,
                hold: bool = False, unseen_end: bool = False
@@ -167,9 +169,20 @@ def test_bad_input_is_one_line_exit_2_and_queues_nothing(cluster: Cluster) -> No
     assert "duration 'soon'" in _one_error_line(estimate)
     assert "policy 'lottery' is not one of" in _one_error_line(
         cluster.cli("queue", "--policy", "lottery"))
+    # Who may (raydeck.scheduling.access), through the CLI and the actor: another OS user may
+    # neither change the admins' settings nor cancel this user's job; this user may.
+    admins = cluster.workdir.parent / "admins.yaml"
+    admins.write_text(yaml.safe_dump({**TEAMS, "admins": [getpass.getuser()]}))
+    _ok(cluster.cli("queue", "--teams", str(admins)))
+    assert "--teams/--policy/--aging: only the queue's admins" in _one_error_line(
+        cluster.cli("queue", "--teams", str(admins), user="mallory"))
+    _ok(cluster.submit("mine", "q1", 60, "a"))
+    assert "cancel raydeck-mine: user mallory may not" in _one_error_line(
+        cluster.cli("cancel", "raydeck-mine", user="mallory"))
+    _ok(cluster.cli("cancel", "raydeck-mine"))
     listing = _ok(cluster.cli("queue"))
     assert "policy priority" in listing
-    for name in ("bad-team", "bad-prio", "too-large", "unplaceable"):
+    for name in ("bad-team", "bad-prio", "too-large", "unplaceable", "raydeck-mine"):
         assert name not in listing
 
 
