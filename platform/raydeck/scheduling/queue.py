@@ -224,8 +224,8 @@ class JobQueue:
             return self._cancelled(current)
 
     def reprioritize(self, job_id: str, priority: int, who: Identity) -> JobView:
-        """As ``who``: give a job not yet ended a new priority (the policy orders by it from
-        the next tick, and a started job is preempted by it).
+        """As ``who``: give a job not yet ended a new priority (the policy orders queued jobs by
+        it from the next tick; a started job's decides which jobs may preempt it).
 
         Raises:
             ConfigError: no such job, it has ended, ``who`` may not change it, or the priority
