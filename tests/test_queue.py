@@ -12,6 +12,7 @@ jobs holding the nodes take real Ray resources.
 
 from __future__ import annotations
 
+import getpass
 import json
 import shutil
 import subprocess
@@ -25,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 
+from raydeck.scheduling.store import Store
 from tests.fixtures.processes import wait_until
 from tests.fixtures.prometheus import DASHBOARDS_DIR, PrometheusServer, for_ray_session
 from tests.fixtures.ray_head import RayHead, head_env
@@ -60,18 +62,21 @@ class Cluster:
     log: Path
     prometheus: PrometheusServer
 
-    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+    def cli(self, *args: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
+        """``raydeck ARGS``; ``user``: as that OS user name (what ``getpass`` reads)."""
+        env = {**self.env, "LOGNAME": user, "USER": user} if user else self.env
         return subprocess.run([sys.executable, "-m", "raydeck.cli", *args], cwd=self.workdir,
-                              env=self.env, capture_output=True, text=True,
-                              timeout=CLI_TIMEOUT_S)
+                              env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
 
     def submit(self, name: str, preset: str, seconds: float, team: str, priority: int = 0,
-               hold: bool = False) -> subprocess.CompletedProcess[str]:
+               hold: bool = False, unseen_end: bool = False
+               ) -> subprocess.CompletedProcess[str]:
         return self.cli("submit", "queue_job.py", "--queue", "--no-check", "--runtime-env",
                         "runtime.yaml", "--preset", preset, "--run-name", name, "--run-id",
                         name, "--team", team, "--priority", str(priority), "--",
                         "--seconds", str(seconds), "--log", str(self.log),
-                        *(["--hold"] if hold else []))
+                        *(["--hold"] if hold else []),
+                        *(["--unseen-end"] if unseen_end else []))
 
     def digits(self, name: str, preset: str, team: str, priority: int, epochs: int,
                job: str = "digits_torch.py") -> str:
@@ -164,6 +169,10 @@ def test_bad_input_is_one_line_exit_2_and_queues_nothing(cluster: Cluster) -> No
     assert "duration 'soon'" in _one_error_line(estimate)
     assert "policy 'lottery' is not one of" in _one_error_line(
         cluster.cli("queue", "--policy", "lottery"))
+    # Who may, through the CLI and the actor: another OS user may not change the teams file
+    # (this user is its admin). The other rules: tests/test_queue_identity.py.
+    assert "--teams/--policy/--aging: only the queue's admins" in _one_error_line(
+        cluster.cli("queue", "--teams", str(_teams(cluster)), user="mallory"))
     listing = _ok(cluster.cli("queue"))
     assert "policy priority" in listing
     for name in ("bad-team", "bad-prio", "too-large", "unplaceable"):
@@ -171,8 +180,9 @@ def test_bad_input_is_one_line_exit_2_and_queues_nothing(cluster: Cluster) -> No
 
 
 def _teams(cluster: Cluster) -> Path:
+    """The teams file, this user its admin."""
     path = cluster.workdir.parent / "teams.yaml"
-    path.write_text(yaml.safe_dump(TEAMS))
+    path.write_text(yaml.safe_dump({**TEAMS, "admins": [getpass.getuser()]}))
     return path
 
 
@@ -448,13 +458,16 @@ def test_a_head_restart_loses_no_job_and_reruns_what_died_with_it(cluster: Clust
     """Last in the module: it restarts the head (the queue's database is in the head's data
     dir; Ray's job table and the queue actor are not kept by a restarted head)."""
     _ok(cluster.cli("queue", "--policy", "fifo"))
-    # Long enough to be running when the head goes down: a job that ends while the head stops
-    # cannot be seen ending, and runs again (the queue's guarantee is at least once).
+    # Long enough to be running when the head goes down: they die with it and run again.
     _ok(cluster.submit("hr-run1", "q2", 75, "b"))
     _ok(cluster.submit("hr-run2", "q2", 75, "b"))
+    # Ends (its MLflow run FINISHED) but the head goes down before its exit is seen: its run
+    # is its witness, so it runs exactly once.
+    _ok(cluster.submit("hr-done", "c1", 0, "c", unseen_end=True))
     _ok(cluster.submit("hr-wait", "q1", 3, "c"))
-    wait_until(lambda: {"hr-run1", "hr-run2"} <= set(cluster.events()), 120,
-               "the two running jobs to start")
+    wait_until(lambda: {"hr-run1", "hr-run2"} <= set(cluster.events())
+               and cluster.events().get("hr-done", {}).get("end"), 120,
+               "the two long jobs to start and hr-done to end")
     cluster.head.stop()
     cluster.head.start()
     assert "hr-wait" in _ok(cluster.cli("queue"))  # a new queue actor, from its database
@@ -470,8 +483,12 @@ def test_a_head_restart_loses_no_job_and_reruns_what_died_with_it(cluster: Clust
                              f"{cluster.cli('jobs').stdout}\n{logs[-5000:]}") from None
     events = cluster.events()
     # The running jobs died with the head and ran again (same run id, so a real job resumes
-    # from its checkpoint); the queued one started once.
+    # from its checkpoint); the queued one started once, and so did the one that ended unseen.
     assert len(events["hr-wait"]["start"]) == 1, events["hr-wait"]
+    assert len(events["hr-done"]["start"]) == 1 == len(events["hr-done"]["end"]), events
+    done = Store(f"sqlite:///{cluster.workdir.parent / 'data' / 'queue.db'}").get(
+        "raydeck-hr-done")
+    assert done is not None and done.state == "succeeded", done and done.reason
     for job in ("hr-run1", "hr-run2"):
         assert len(events[job]["start"]) == 2 and len(events[job]["end"]) == 1, events[job]
     run_ids = {json.loads(line)["run_id"] for line in cluster.log.read_text().splitlines()

@@ -23,6 +23,7 @@ import requests
 from raydeck.errors import ConfigError, JobSubmissionError
 from raydeck.scheduling.client import head_runtime_env
 from raydeck.scheduling.failures import Backoff, classify
+from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.policies import Resources
 from raydeck.scheduling.queue import JobQueue, JobSpec, Launcher
 from raydeck.scheduling.store import JobRow, Store
@@ -131,7 +132,7 @@ def test_a_runtime_env_the_head_rejects_fails_that_job_and_the_next_starts_in_th
     monkeypatch.chdir(tmp_path)  # the head has no requirements.txt or environment.yml
     server, clock = _JobServer(), [100.0]
     queue = _queue(tmp_path, server, clock)
-    queue.set_policy("fifo")
+    queue.configure(Identity.here(), "fifo")
     queue.submit(_spec("bad", runtime_env))
     clock[0] += 1
     for job_id in ("next-1", "next-2"):  # with "bad" they need 6 of the node's 4 CPUs
@@ -212,7 +213,7 @@ def test_cancel_works_in_every_state(tmp_path: Path) -> None:
                                                    started_at=clock[0])
     assert [_state(queue, j)[0] for j in ("refused", "retrying", "never-sent", "queued")] == [
         "failed", "queued", "starting", "queued"]
-    cancelled = {job_id: queue.cancel(job_id)
+    cancelled = {job_id: queue.cancel(job_id, Identity.here())
                  for job_id in ("running", "refused", "retrying", "never-sent", "queued")}
     assert {view.state for view in cancelled.values()} == {"cancelled"}
     assert server.stopped == ["running"]
@@ -221,13 +222,13 @@ def test_cancel_works_in_every_state(tmp_path: Path) -> None:
                                            "with status code 400: bad request.)")
     assert [e.job.id for e in queue.listing()] == ["starting"]
     with pytest.raises(ConfigError, match="already ended"):
-        queue.cancel("running")
+        queue.cancel("running", Identity.here())
     # A job server that cannot be reached cannot stop a running job: it says so, and the job
     # stays running rather than being forgotten while it runs.
     server.stop_error = _unreachable()
     assert queue.tick() == []
     with pytest.raises(ConfigError, match="cannot stop job starting now: job server unreachable"):
-        queue.cancel("starting")
+        queue.cancel("starting", Identity.here())
     assert _state(queue, "starting")[0] == "running"
 
 

@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from raydeck.errors import ConfigError
+from raydeck.scheduling.configuration import REPLAY_S
+from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.policies import FairShare, QueuedJob, Resources, RunningJob
-from raydeck.scheduling.queue import REPLAY_S, RETENTION_S, JobQueue, JobSpec
+from raydeck.scheduling.queue import RETENTION_S, JobQueue, JobSpec
 from raydeck.scheduling.store import Store
 from tests.fixtures.fake_job_server import FakeJobServer
 
@@ -98,7 +100,7 @@ def test_fair_share_survives_history_out_of_order_by_any_number_of_half_lives(
     store = Store(f"sqlite:///{tmp_path / 'q.db'}")
     server, clock = FakeJobServer(), [REPLAY_S]
     queue = _queue(tmp_path, server, clock)
-    queue.set_policy("fairshare")
+    queue.configure(Identity.here(), "fairshare")
     for job_id, submitted, ended in (("late", 0.0, REPLAY_S - 1), ("early", 1.0, 2.0)):
         queue.submit(_spec(job_id))
         store.update(job_id, state="succeeded", submitted_at=submitted, started_at=submitted,

@@ -19,6 +19,7 @@ import pytest
 
 from raydeck import preemption
 from raydeck.errors import JobPreemptedError
+from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.policies import POLICIES, Resources, make_policy
 from raydeck.scheduling.preemption_rules import MIN_RUN_BEFORE_PREEMPTION_S
 from raydeck.scheduling.queue import JobQueue, JobSpec
@@ -49,7 +50,7 @@ def _setup(tmp_path: Path, policy: str) -> tuple[JobQueue, FakeJobServer, list[f
     node) queued 2 h after B, so that B, once requeued, has waited past the aging bound."""
     server, clock = FakeJobServer(), [0.0]
     queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), server, clock=lambda: clock[0])
-    queue.set_policy(policy)
+    queue.configure(Identity.here(), policy)
     queue.submit(_spec("B", 0, estimate_s=4 * HOUR))
     assert queue.tick() == ["B"]
     clock[0] = 2 * HOUR

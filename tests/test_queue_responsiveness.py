@@ -18,6 +18,7 @@ import requests
 
 from raydeck.errors import ConfigError
 from raydeck.jobs import JobServer
+from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.launcher import Launcher, TimedLauncher
 from raydeck.scheduling.policies import Resources
 from raydeck.scheduling.queue import JobQueue, JobSpec
@@ -105,7 +106,7 @@ def test_a_tick_waiting_on_the_job_server_blocks_no_client_call(tmp_path: Path) 
     # Each call answers while the tick is still blocked on the job server.
     assert queue.checkpointed("running") is False and ticking.is_alive()
     assert [e.job.state for e in queue.listing()] == ["starting"] and ticking.is_alive()
-    assert queue.cancel("running").state == "cancelled" and ticking.is_alive()
+    assert queue.cancel("running", Identity.here()).state == "cancelled" and ticking.is_alive()
     server.release.set()
     ticking.join(10)
     assert not ticking.is_alive()
@@ -128,7 +129,7 @@ def test_a_job_server_that_hangs_costs_a_bounded_wait(tmp_path: Path) -> None:
     assert hung.why.startswith("submission failed 1x (LauncherTimeout: the job server did not "
                                "answer submitting hung within 0.3 s)")
     with pytest.raises(ConfigError, match="cannot stop job running now: LauncherTimeout"):
-        queue.cancel("running")
+        queue.cancel("running", Identity.here())
     server.release.set()
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from raydeck.errors import ConfigError
 from raydeck.scaling import place
+from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.policies import Capacity, Fifo, Gang, QueuedJob, Resources, make_policy
 from raydeck.scheduling.queue import CLAIM_S, JobQueue, JobSpec, Launcher
 from raydeck.scheduling.store import JobRow, Store
@@ -162,7 +163,7 @@ def test_a_strict_gang_starts_alone_and_what_follows_waits_until_ray_placed_it(
     gang would wait in Ray: they start only once Ray has placed the gang."""
     cluster, clock = _TwoNodes(), [0.0]
     queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), cluster, clock=lambda: clock[0])
-    queue.set_policy("priority")
+    queue.configure(Identity.here(), "priority")
     for spec in (_spec("big", STRICT_3, priority=5), _spec("s1", ONE_CPU), _spec("s2", ONE_CPU)):
         queue.submit(spec)
     assert queue.tick() == ["big"]
@@ -179,7 +180,7 @@ def test_a_strict_gang_waits_for_the_jobs_started_before_it_to_be_placed(
         tmp_path: Path) -> None:
     cluster, clock = _TwoNodes(), [0.0]
     queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), cluster, clock=lambda: clock[0])
-    queue.set_policy("fifo")
+    queue.configure(Identity.here(), "fifo")
     queue.submit(_spec("s1", ONE_CPU))
     assert queue.tick() == ["s1"]
     queue.submit(_spec("big", STRICT_3))

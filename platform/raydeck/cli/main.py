@@ -67,6 +67,7 @@ app.command("submit", context_settings={"allow_extra_args": True,
 app.command("jobs")(jobs.jobs)
 app.command("queue")(queue.queue)
 app.command("cancel")(queue.cancel)
+app.command("reprioritize")(queue.reprioritize)
 app.command("sweep")(sweep.sweep)
 app.command("serve")(serving.serve)
 app.add_typer(models.app, name="models")

@@ -1,4 +1,7 @@
-"""``raydeck queue`` and ``raydeck cancel``: the cluster's job queue."""
+"""``raydeck queue``, ``raydeck cancel`` and ``raydeck reprioritize``: the cluster's job queue.
+
+Each call goes as this process's OS user (raydeck.scheduling.identity); who may do what is the
+queue's rule (raydeck.scheduling.access, docs/scheduling.md)."""
 
 from __future__ import annotations
 
@@ -38,7 +41,9 @@ def queue(
                                           "las, gittins, backfill or backfill-<policy>."),
     aging: str = typer.Option(None, help="Aging bound, e.g. 1h: a job waiting this long goes "
                                          "first."),
-    teams: Path = typer.Option(None, help="YAML of teams: NAME: {weight: 2, gpus: 4, cpus: 32}."),
+    teams: Path = typer.Option(None, help="YAML of teams: NAME: {weight: 2, gpus: 4, cpus: 32, "
+                                          "members: [USER], max_priority: 5}, and admins: "
+                                          "[USER] (only they may change it)."),
     address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
 ) -> None:
     """Show the queue: position, predicted start and why each job waits; change its policy."""
@@ -64,14 +69,15 @@ def queue(
     name, entries = listing(settings, server, policy, aging_s, team_specs)
     now = time.time()
     table = Table(title=f"queue (policy {name})")
-    for column in ("#", "job", "team", "prio", "needs", "state", "waited", "expected", "start",
-                   "why"):
+    for column in ("#", "job", "team", "by", "prio", "needs", "state", "waited", "expected",
+                   "start", "why"):
         table.add_column(column, overflow="fold")
     for entry in entries:
         job = entry.job
         needs = f"{job.gpus:g} GPU, {job.cpus:g} CPU" if job.gpus else f"{job.cpus:g} CPU"
         waited = f"{((job.started_at or now) - job.submitted_at) / 60:.1f}m"
-        table.add_row(str(entry.position or "-"), escape(job.id), job.team, str(job.priority),
+        table.add_row(str(entry.position or "-"), escape(job.id), job.team,
+                      escape(f"{job.user}@{job.host}" if job.user else "-"), str(job.priority),
                       needs, job.state, waited, format_duration(job.estimate_s),
                       _clock(entry.predicted_start_s),
                       escape(entry.why))
@@ -84,9 +90,24 @@ def cancel(
     job_id: str = typer.Argument(..., help="Queued job id (`raydeck queue` lists them)."),
     address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
 ) -> None:
-    """Take a job out of the queue, or stop it if it has started."""
+    """Take a job out of the queue, or stop it if it has started (its submitter, its team's
+    members or an admin may)."""
     from raydeck.scheduling.client import cancel as cancel_job
 
     settings, server = _context(address)
     view = cancel_job(settings, server, job_id)
     console.print(f"cancelled {view.id}")
+
+
+def reprioritize(
+    job_id: str = typer.Argument(..., help="Queued job id (`raydeck queue` lists them)."),
+    priority: int = typer.Argument(..., help="Its new priority: higher starts first (>= 0, at "
+                                             "most its team's max_priority)."),
+    address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
+) -> None:
+    """Change a job's priority (its submitter, its team's members or an admin may)."""
+    from raydeck.scheduling.client import reprioritize as reprioritize_job
+
+    settings, server = _context(address)
+    view = reprioritize_job(settings, server, job_id, priority)
+    console.print(f"{view.id}: priority {view.priority}")

@@ -7,10 +7,13 @@ and duplicates nothing; its database is SQLite in the head's ``RAYDECK_DATA_DIR`
 ``RAYDECK_QUEUE_DATABASE_URL`` (on the head) names another (PostgreSQL).
 
 Calls answer ``(True, value)`` or ``(False, message)``: a refusal is one line for the CLI, not
-a Ray traceback. Calls run concurrently (``max_concurrency``) with the tick: the queue's own lock
-is never held across a call to the job server or MLflow (:mod:`raydeck.scheduling.queue`), and
-every job-server call is bounded (:class:`~raydeck.scheduling.launcher.TimedLauncher`). The
-CLI's calls pass their job server (address and token), which the actor uses from then on.
+a Ray traceback. Calls that change a job or the configuration carry the caller's
+:class:`~raydeck.scheduling.identity.Identity` (a submission: its spec's submitter), which the
+queue checks (:mod:`raydeck.scheduling.access`). Calls run concurrently
+(``max_concurrency``) with the tick: the queue's own lock is never held across a call to the
+job server or MLflow (:mod:`raydeck.scheduling.queue`), and every job-server call is bounded
+(:class:`~raydeck.scheduling.launcher.TimedLauncher`). The CLI's calls pass their job server
+(address and token), which the actor uses from then on.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Any
 from raydeck.errors import ConfigError, RaydeckError
 from raydeck.jobs import JobServer
 from raydeck.preemption import QUEUE_ACTOR_NAME
+from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.launcher import Observer
 from raydeck.scheduling.store import JobRow
 
@@ -44,15 +48,18 @@ class QueueActor:
         from raydeck.scheduling.queue import JobQueue
         from raydeck.scheduling.ray_jobs import RayJobs
         from raydeck.scheduling.store import Store
+        from raydeck.scheduling.witness import MlflowRuns
 
         logging.getLogger("raydeck").setLevel(logging.INFO)
         settings = load_settings()
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         url = os.environ.get(DATABASE_URL_ENV) or f"sqlite:///{settings.data_dir / 'queue.db'}"
-        history = MlflowHistory(settings.tracking.uri) if settings.tracking.enabled else None
+        tracking = settings.tracking.enabled
         self._jobs = RayJobs(server)
-        self._queue = JobQueue(Store(url), TimedLauncher(self._jobs), observer=QueueMetrics(),
-                               history=history)
+        self._queue = JobQueue(
+            Store(url), TimedLauncher(self._jobs), observer=QueueMetrics(),
+            history=MlflowHistory(settings.tracking.uri) if tracking else None,
+            run_finished=MlflowRuns(settings.tracking.uri) if tracking else None)
         self._stop = threading.Event()
         self._tick_s = tick_s
         threading.Thread(target=self._loop, name="raydeck-queue-tick", daemon=True).start()
@@ -81,23 +88,21 @@ class QueueActor:
                ) -> tuple[bool, Any]:
         return self._call(lambda: self._queue.submit(spec, package), server)
 
-    def cancel(self, job_id: str, server: JobServer | None = None) -> tuple[bool, Any]:
-        return self._call(lambda: self._queue.cancel(job_id), server)
+    def cancel(self, job_id: str, who: Identity, server: JobServer | None = None
+               ) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.cancel(job_id, who), server)
+
+    def reprioritize(self, job_id: str, priority: int, who: Identity,
+                     server: JobServer | None = None) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.reprioritize(job_id, priority, who), server)
 
     def listing(self, server: JobServer | None = None) -> tuple[bool, Any]:
         return self._call(lambda: (self._queue.policy_name(), self._queue.listing()), server)
 
     def configure(self, policy: str | None, aging_s: float | None,
-                  teams: dict[str, Any] | None, server: JobServer | None = None
-                  ) -> tuple[bool, Any]:
-        def apply() -> str:
-            if teams is not None:
-                self._queue.set_teams(teams)
-            if policy is not None or aging_s is not None:
-                self._queue.set_policy(policy or self._queue.policy_name(), aging_s)
-            return self._queue.policy_name()
-
-        return self._call(apply, server)
+                  teams: dict[str, Any] | None, who: Identity,
+                  server: JobServer | None = None) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.configure(who, policy, aging_s, teams), server)
 
     def tick(self) -> tuple[bool, Any]:
         return self._call(self._queue.tick)

@@ -25,6 +25,7 @@ from raydeck.config import Settings
 from raydeck.errors import ClusterUnavailableError, ConfigError
 from raydeck.jobs import JobRequest, JobServer, submitted_metadata, submitted_runtime_env
 from raydeck.scheduling.actor import ACTOR_NAME, answer, queue_handle
+from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.jobspec import DEFAULT_TEAM, JobSpec
 from raydeck.scheduling.listing import Entry
 from raydeck.scheduling.policies import Gang
@@ -179,15 +180,23 @@ def listing(settings: Settings, server: JobServer, policy: str | None = None,
     connect_running(settings.ray_address)
     handle = queue_handle(server, settings.ray_namespace)
     if policy is not None or aging_s is not None or teams is not None:
-        call(handle.configure.remote(policy, aging_s, teams, server))
+        call(handle.configure.remote(policy, aging_s, teams, Identity.here(), server))
     return call(handle.listing.remote(server))
 
 
 def cancel(settings: Settings, server: JobServer, job_id: str) -> JobView:
+    """Cancel ``job_id`` as this process's OS user."""
     connect_running(settings.ray_address)
     handle = queue_handle(server, settings.ray_namespace)
-    return call(handle.cancel.remote(job_id, server),
+    return call(handle.cancel.remote(job_id, Identity.here(), server),
                 f"; it may still have been cancelled: `raydeck queue` shows {job_id}")
+
+
+def reprioritize(settings: Settings, server: JobServer, job_id: str, priority: int) -> JobView:
+    """Give ``job_id`` a new priority as this process's OS user."""
+    connect_running(settings.ray_address)
+    handle = queue_handle(server, settings.ray_namespace)
+    return call(handle.reprioritize.remote(job_id, priority, Identity.here(), server))
 
 
 def refused(settings: Settings) -> list[JobView]:

@@ -1,6 +1,6 @@
 """How long the same job ran before, read from MLflow.
 
-Owns: :class:`MlflowHistory`, the queue's source for duration prediction, and
+Owns: :func:`predict` (a job's predicted duration), :class:`MlflowHistory`, its source, and
 :func:`mlflow_durations`, its query. Every job submitted
 with ``raydeck submit`` (queued or not) tags its MLflow run with its digest (``raydeck.job_digest``:
 job file, preset and arguments), so the history covers every run of the job that MLflow has,
@@ -16,17 +16,41 @@ predicts from its own record, and never holds its lock while asking).
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from raydeck.jobs import JOB_DIGEST_TAG
 from raydeck.preemption import PREEMPTIONS_TAG
+from raydeck.redaction import redact_text
 
 if TYPE_CHECKING:
     from mlflow.tracking import MlflowClient
 
+logger = logging.getLogger(__name__)
+
 HISTORY_RUNS = 20
+PREDICTION_QUANTILE = 0.75
 _KEY = re.compile(r"^[0-9a-f]{1,64}$")
+
+
+def predict(history: Callable[[str], list[float]] | None, own: Callable[[str], list[float]],
+            key: str) -> float | None:
+    """Predicted duration of a job from earlier runs of the same job (same job file, preset
+    and arguments): the 75th percentile of their durations in ``history`` (MLflow's: runs
+    started outside the queue count), else in ``own`` (the queue's record), else None."""
+    durations: list[float] = []
+    if history is not None:
+        try:
+            durations = history(key)
+        except Exception as exc:  # MLflow down: predict from what the queue knows
+            logger.warning("no duration history from MLflow (%s); using the queue's own",
+                           redact_text(str(exc)).splitlines()[0][:200])
+    durations = durations or own(key)
+    return float(np.quantile(durations, PREDICTION_QUANTILE)) if durations else None
 
 
 class MlflowHistory:

@@ -1,8 +1,9 @@
 """The job queue: policies applied to real jobs, with durable state, in front of a job server.
 
-Owns: :class:`JobQueue` (submit, cancel, list with the reason each job waits and its predicted
-start, and :meth:`JobQueue.tick`, which reconciles the jobs it started with the job server and
-starts what the policy says). The job server is behind the small
+Owns: :class:`JobQueue` (submit, cancel, reprioritize, list with the reason each job waits and
+its predicted start, and :meth:`JobQueue.tick`, which reconciles the jobs it started with the
+job server and starts what the policy says). Who may submit, cancel, reprioritize and configure
+is :mod:`raydeck.scheduling.access`'s rule, applied here. The job server is behind the small
 :class:`~raydeck.scheduling.launcher.Launcher` interface (:mod:`raydeck.scheduling.ray_jobs` is
 Ray's), so the queue's logic is the same in tests and on a cluster. Does not own: what a job
 and a team are (:mod:`raydeck.scheduling.jobspec`), the listing's explanations
@@ -31,7 +32,8 @@ resumes from that checkpoint in its run. A job told to stop that still ends SUCC
 its driver saying training ran to its end (:meth:`JobQueue.completed`) is requeued the same
 way. A job still running ``PREEMPT_GRACE_S`` after being asked is stopped by the job server
 and requeued the same way (it loses the work since its last checkpoint), and so is a started
-job the job server no longer knows (the head restarted and the job died with it).
+job the job server no longer knows (the head restarted), unless the job's own witness says it
+finished (:mod:`raydeck.scheduling.witness`): then it is recorded ``succeeded``, run once.
 
 A job whose submission fails never holds up the queue (:mod:`raydeck.scheduling.submission`):
 the jobs behind it start in the same tick.
@@ -59,24 +61,17 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-import numpy as np
-
 from raydeck.errors import ConfigError
-from raydeck.redaction import redact_text
+from raydeck.scheduling import access
 from raydeck.scheduling import preemption_rules as rules
+from raydeck.scheduling.configuration import QueueConfig
 from raydeck.scheduling.failures import Backoff, classify
-from raydeck.scheduling.jobspec import JobSpec, Team, admit
+from raydeck.scheduling.history import predict
+from raydeck.scheduling.identity import Identity
+from raydeck.scheduling.jobspec import JobSpec, TeamsFile, admit
 from raydeck.scheduling.launcher import Launcher, Observer
 from raydeck.scheduling.listing import Entry, explain, held_back, predicted_starts, strict
-from raydeck.scheduling.policies import (
-    DEFAULT_AGING_S,
-    Capacity,
-    Policy,
-    QueuedJob,
-    Resources,
-    RunningJob,
-    make_policy,
-)
+from raydeck.scheduling.policies import Capacity, QueuedJob, Resources, RunningJob
 from raydeck.scheduling.reconcile import PREEMPT_GRACE_S, free_capacity, verdict
 from raydeck.scheduling.reconcile import queued as _queued
 from raydeck.scheduling.reconcile import refused as _refused
@@ -84,6 +79,7 @@ from raydeck.scheduling.reconcile import running as _running
 from raydeck.scheduling.reconcile import told as _told
 from raydeck.scheduling.store import ACTIVE, ENDED, JobRow, JobView, Store, submission_id
 from raydeck.scheduling.submission import Submitter
+from raydeck.scheduling.witness import RunFinished, witness
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +87,6 @@ DEFAULT_ESTIMATE_S = 3600.0
 # How long a strict gang waits at most for a job started before it (or the jobs after it wait
 # for it) to be placed by Ray: a job may never ask Ray for a placement group.
 CLAIM_S = 120.0
-PREDICTION_QUANTILE = 0.75
 # How long ``raydeck queue`` keeps showing a job the job server refused (it never started).
 REFUSED_SHOWN_S = 24 * 3600.0
 # How long an ended job (and the working-dir package only it used) stays in the queue's
@@ -99,9 +94,6 @@ REFUSED_SHOWN_S = 24 * 3600.0
 RETENTION_S = 7 * 24 * 3600.0
 # How often a tick deletes what is past retention (and the first tick always does).
 PRUNE_EVERY_S = 3600.0
-# The ended jobs whose usage fair share replays at start: 48 of its 1 h half-lives, after which
-# a job's usage weighs 2**-48 of what it did.
-REPLAY_S = 48 * 3600.0
 
 
 class JobQueue:
@@ -112,15 +104,19 @@ class JobQueue:
                  clock: Callable[[], float] = time.time,
                  observer: Observer | None = None,
                  history: Callable[[str], list[float]] | None = None,
-                 backoff: Backoff | None = None) -> None:
+                 backoff: Backoff | None = None,
+                 run_finished: RunFinished | None = None) -> None:
         """``history(key)``: how long earlier runs of the job with that key took, newest first
         (MLflow's: :class:`raydeck.scheduling.history.MlflowHistory`); the queue's own record
         of the jobs it ran is used when it has none or fails. It is called without the queue's
         lock, so it may be slow. ``backoff``: when a job whose submission failed transiently is
         tried again. ``launcher``: its calls should be bounded
         (:class:`~raydeck.scheduling.launcher.TimedLauncher`); the queue never holds its lock
-        while one runs."""
+        while one runs. ``run_finished``: whether a job's MLflow run ended FINISHED
+        (:class:`~raydeck.scheduling.witness.MlflowRuns`), asked without the lock before a job
+        the job server forgot is run again."""
         self._store = store
+        self._run_finished = run_finished
         self._backoff = backoff or Backoff()
         self._launcher = launcher
         self._history = history
@@ -132,46 +128,24 @@ class JobQueue:
         self._ticking = threading.Lock()  # one tick at a time
         self._pruned_at: float | None = None
         self._submitter = Submitter(store, launcher, self._backoff, self._lock)
-        self._policy = self._make_policy()
+        self._config = QueueConfig(store, clock)
+        self._policy = self._config.policy()
 
     # --- configuration ---------------------------------------------------------------------
-    def teams(self) -> dict[str, Team]:
-        raw = self._store.setting("teams", {})
-        return {name: Team.parse(name, spec) for name, spec in raw.items()}
-
-    def set_teams(self, teams: Mapping[str, Mapping[str, Any]]) -> None:
-        """Replace the teams (validated first: a bad file changes nothing)."""
-        for name, spec in teams.items():
-            Team.parse(name, spec)
-        with self._lock:
-            self._store.set_setting("teams", dict(teams))
-            self._policy = self._make_policy()
+    def teams_file(self) -> TeamsFile:
+        return self._config.teams_file()
 
     def policy_name(self) -> str:
-        return str(self._store.setting("policy", "fifo"))
+        return self._config.policy_name()
 
-    def set_policy(self, name: str, aging_s: float | None = None) -> None:
-        make_policy(name)  # raises for an unknown name before anything is stored
-        if aging_s is not None and not aging_s > 0:
-            raise ConfigError(f"--aging={aging_s}: must be > 0 seconds")
+    def configure(self, who: Identity, policy: str | None = None, aging_s: float | None = None,
+                  teams: Mapping[str, Any] | None = None) -> str:
+        """Change the policy, its aging bound and/or the teams file as ``who``, an admin
+        (:meth:`QueueConfig.change` says what it raises); returns the policy's name."""
         with self._lock:
-            self._store.set_setting("policy", name)
-            if aging_s is not None:
-                self._store.set_setting("aging_s", aging_s)
-            self._policy = self._make_policy()
-
-    def _make_policy(self) -> Policy:
-        name = self.policy_name()
-        aging_s = float(self._store.setting("aging_s", DEFAULT_AGING_S))
-        teams = self.teams()
-        weights = {t.name: t.weight for t in teams.values()}
-        quotas = {t.name: t.quota for t in teams.values() if t.quota is not None}
-        policy = make_policy(name, aging_s, quotas, weights)
-        # Fair share remembers usage: replay what ended lately (older usage has decayed).
-        for row in self._store.ended_since(self._clock() - REPLAY_S):
-            if row.started_at is not None and row.ended_at is not None:
-                policy.ended(RunningJob(_queued(row), row.started_at), row.ended_at)
-        return policy
+            self._config.change(who, policy, aging_s, teams)
+            self._policy = self._config.policy()
+        return self.policy_name()
 
     # --- clients -----------------------------------------------------------------------------
     def submit(self, spec: JobSpec, package: bytes | None = None) -> JobView:
@@ -180,10 +154,13 @@ class JobQueue:
 
         Raises:
             ConfigError: unknown team, a job larger than the cluster or its team's quota, an
-                id already queued, or one the job server already has.
+                id already queued, or one the job server already has; a submitter who is not
+                a member of the team, or a priority over its bound (:mod:`.access`).
         """
         _, nodes = self._resources()
-        admit(spec, self.teams(), nodes)
+        teams = self.teams_file()
+        admit(spec, teams.teams, nodes)
+        access.check_submit(spec.submitter, spec, teams)
         previous = self._store.get(spec.id)
         if previous is not None and previous.state not in ENDED:
             raise ConfigError(f"job {spec.id} is already in the queue ({previous.state}); "
@@ -201,7 +178,8 @@ class JobQueue:
                      attempt=attempt, preemptions=0, checkpoint_at=None, preempt_at=None,
                      submit_failures=0, retry_at=None,
                      workers=spec.gang.workers if spec.gang else 0,
-                     placement=spec.gang.strategy if spec.gang else "")
+                     placement=spec.gang.strategy if spec.gang else "",
+                     user=spec.submitter.user, host=spec.submitter.host)
         with self._lock:
             if package is not None and spec.package_uri:
                 self._store.add_package(spec.package_uri, package)
@@ -210,33 +188,22 @@ class JobQueue:
         return JobView.of(row)
 
     def predict(self, key: str) -> float | None:
-        """Predicted duration of a job from earlier runs of the same job (same job file,
-        preset and arguments): the 75th percentile of their durations in MLflow (runs started
-        outside the queue count), else in the queue's own record, else None. Called without
-        the queue's lock."""
-        durations: list[float] = []
-        if self._history is not None:
-            try:
-                durations = self._history(key)
-            except Exception as exc:  # MLflow down: predict from what the queue knows
-                logger.warning("no duration history from MLflow (%s); using the queue's own",
-                               redact_text(str(exc)).splitlines()[0][:200])
-        durations = durations or self._store.durations(key)
-        return float(np.quantile(durations, PREDICTION_QUANTILE)) if durations else None
+        """The job's predicted duration (:func:`~raydeck.scheduling.history.predict`); called
+        without the queue's lock."""
+        return predict(self._history, self._store.durations, key)
 
-    def cancel(self, job_id: str) -> JobView:
-        """Take a queued job out (one waiting to retry its submission too), stop a started one,
-        or clear one the job server refused from ``raydeck queue``.
+    def cancel(self, job_id: str, who: Identity) -> JobView:
+        """As ``who``: take a queued job out (one waiting to retry its submission too), stop a
+        started one, or clear one the job server refused from ``raydeck queue``.
 
         Raises:
-            ConfigError: no such job, it has already run and ended, or the job server cannot
-                stop it now (it is unreachable: the job keeps running; try again).
+            ConfigError: no such job, ``who`` may not cancel it (:mod:`.access`), it has
+                already run and ended, or the job server cannot stop it now (it is
+                unreachable: the job keeps running; try again).
         """
         with self._lock:
-            row = self._store.get(job_id)
-            if row is None:
-                raise ConfigError(f"no job {job_id!r} in the queue (`raydeck queue` lists "
-                                  "them)")
+            row = self._job(job_id)
+            access.check_change(who, row, "cancel", self.teams_file())
             if row.state not in ("queued", *ACTIVE) and not _refused(row):
                 raise ConfigError(f"job {job_id} has already ended ({row.state})")
             if row.state not in ACTIVE:
@@ -255,6 +222,31 @@ class JobQueue:
             if current is None or current.state in ENDED:  # it ended meanwhile
                 return JobView.of(current or row)
             return self._cancelled(current)
+
+    def reprioritize(self, job_id: str, priority: int, who: Identity) -> JobView:
+        """As ``who``: give a job not yet ended a new priority (the policy orders queued jobs by
+        it from the next tick; a started job's decides which jobs may preempt it).
+
+        Raises:
+            ConfigError: no such job, it has ended, ``who`` may not change it, or the priority
+                is negative or over its team's bound (:mod:`.access`).
+        """
+        if priority < 0:
+            raise ConfigError(f"--priority={priority}: must be >= 0 (higher runs first)")
+        with self._lock:
+            row, teams = self._job(job_id), self.teams_file()
+            access.check_change(who, row, "reprioritize", teams)
+            access.check_priority(who, priority, row.team, teams)
+            if row.state in ENDED:
+                raise ConfigError(f"job {job_id} has already ended ({row.state})")
+            self._store.update(job_id, priority=priority)
+            return JobView.of(self._job(job_id))
+
+    def _job(self, job_id: str) -> JobRow:
+        row = self._store.get(job_id)
+        if row is None:
+            raise ConfigError(f"no job {job_id!r} in the queue (`raydeck queue` lists them)")
+        return row
 
     def _cancelled(self, row: JobRow) -> JobView:
         self._store.update(row.id, state="cancelled", ended_at=self._clock(), retry_at=None,
@@ -279,7 +271,7 @@ class JobQueue:
             ordered = self._policy.order(queued, running, now)
             policy = copy.deepcopy(self._policy)  # predictions never charge the live policy
         predicted = predicted_starts(policy, ordered, running, total, now)
-        entries = explain(rows, ordered, active, running, free, claiming, self.teams(),
+        entries = explain(rows, ordered, active, running, free, claiming, self.teams_file().teams,
                           policy.name, predicted)
         entries += [Entry(JobView.of(r), None, None, r.reason) for r in self._store.jobs("failed")
                     if _refused(r) and r.ended_at is not None
@@ -327,9 +319,9 @@ class JobQueue:
         with self._ticking:
             now = self._clock()
             self._prune(now)
-            for row, status in self._statuses():
+            for row, status, finished in self._statuses():
                 try:
-                    self._reconcile(row, status, now)
+                    self._reconcile(row, status, finished, now)
                 except Exception as exc:
                     # One job (the job server briefly unreachable) never holds up the others
                     # or what starts next: it is read again at the next tick.
@@ -354,28 +346,31 @@ class JobQueue:
             logger.info("deleted %d job(s) ended over %.0f days ago and %d unused package(s)",
                         jobs, RETENTION_S / 86400, packages)
 
-    def _statuses(self) -> Iterator[tuple[JobRow, str | None]]:
-        """Each started job with the job server's status for it (asked without the lock)."""
+    def _statuses(self) -> Iterator[tuple[JobRow, str | None, str]]:
+        """Each started job with the job server's status for it and, for a job it forgot, why
+        the job's witness says it finished (:func:`witness`); all asked without the lock."""
         for row in self._store.jobs(*ACTIVE):
             try:
                 status = self._launcher.status(row.submission_id)
+                finished = witness(row, self._run_finished) if status is None else ""
             except Exception as exc:
                 logger.warning("cannot reconcile job %s now: %s", row.id, classify(exc).reason)
                 continue
-            yield row, status
+            yield row, status, finished
 
-    def _reconcile(self, row: JobRow, status: str | None, now: float) -> None:
-        """Apply the job server's ``status`` (read without the lock) to ``row``, unless the
-        job changed meanwhile (cancelled, or requeued: it is read again at the next tick)."""
+    def _reconcile(self, row: JobRow, status: str | None, finished: str, now: float) -> None:
+        """Apply the job server's ``status`` and the witness's ``finished`` (read without the
+        lock) to ``row``, unless the job changed meanwhile (cancelled, or requeued)."""
         with self._lock:
             current = self._store.get(row.id)
             if current is None or current.state not in ACTIVE or current.attempt != row.attempt:
                 return
-            decided = verdict(current, status, now)
+            decided = verdict(current, status, now, finished)
             if decided.action == "requeue":
                 self._requeue(current, now, decided.why, decided.preempted)
             elif decided.action == "end":
-                self._store.update(row.id, state=decided.state, ended_at=now)
+                self._store.update(row.id, state=decided.state, ended_at=now,
+                                   **({"reason": decided.why} if decided.why else {}))
                 self._policy.ended(_running(current, now), now)
                 self._observer.ended(current, now)
             elif decided.action == "running":

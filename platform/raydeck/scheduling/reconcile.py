@@ -25,7 +25,8 @@ class Verdict:
     submitted: the queue stopped in between), ``requeue`` (back in the queue, resuming from its
     checkpoint; ``preempted`` when it stopped for another job), ``stop`` (asked to stop over
     ``PREEMPT_GRACE_S`` ago and still running: the job server stops it), ``end`` (it ended as
-    ``state``), ``running`` (the job server has it) or ``""`` (nothing changes)."""
+    ``state``; ``why`` when the job server did not say so), ``running`` (the job server has
+    it) or ``""`` (nothing changes)."""
 
     action: str
     why: str = ""
@@ -33,10 +34,17 @@ class Verdict:
     state: str = ""
 
 
-def verdict(row: JobRow, status: str | None, now: float) -> Verdict:
+def verdict(row: JobRow, status: str | None, now: float, finished: str = "") -> Verdict:
     """The verdict on active ``row`` whose job the job server reports as ``status`` (None: it
-    does not know the job)."""
+    does not know the job); ``finished``: for a job it does not know, why the job's own
+    witness says it ran to its end (:func:`raydeck.scheduling.witness.witness`), else "".
+    """
     if status is None:
+        if finished:
+            # It ended while the head was down, or its driver's exit was never seen: it is
+            # done, and running it again would run it twice.
+            return Verdict("end", f"succeeded while the job server was away: {finished}",
+                           state="succeeded")
         if row.state == "starting":
             return Verdict("resubmit")
         # The job server forgot a job it ran: the head restarted (Ray keeps its jobs in the

@@ -82,6 +82,10 @@ class JobRow(_Base):
     # consecutive failures and when it is tried again (None: whenever the policy says).
     submit_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     retry_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Who submitted it: the OS user and host of ``raydeck submit`` (raydeck.scheduling.identity;
+    # "" for a job queued before they were recorded).
+    user: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    host: Mapped[str] = mapped_column(String(253), default="", server_default="")
 
     @property
     def submission_id(self) -> str:
@@ -131,12 +135,15 @@ class JobView:
     ended_at: float | None
     submission_id: str
     preemptions: int
+    user: str = ""
+    host: str = ""
 
     @classmethod
     def of(cls, row: JobRow) -> JobView:
         return cls(row.id, row.team, row.priority, row.cpus, row.gpus, row.preset, row.key,
                    row.entrypoint, row.estimate_s, row.state, row.reason, row.submitted_at,
-                   row.started_at, row.ended_at, row.submission_id, row.preemptions)
+                   row.started_at, row.ended_at, row.submission_id, row.preemptions,
+                   row.user, row.host)
 
 
 class Store:
