@@ -1,12 +1,15 @@
 """The whole platform on one machine: `raydeck up` from nothing, real work against it, the
 notebooks, and `raydeck down` leaving nothing behind.
 
-One stack for the module (starting it is the expensive part), used in order: ``up`` from an
+One stack for the module (starting it is the expensive part), in a directory other users cannot
+pass through, as under ``/root``: run as root (as CI runs), PostgreSQL runs as the ``postgres``
+user and keeps its data in ``/var/lib/raydeck/<stack id>``. Used in order: ``up`` from an
 empty directory; ``up`` again changes nothing; ``raydeck demo`` and ``raydeck sweep`` with
 nothing set but the stack's connection file, checked in PostgreSQL's tables, the S3 buckets and
 Prometheus; a crashed service shown by ``ps`` and restarted by ``up``; every notebook run
-headless against the stack; ``down`` frees every process and port; and a service that dies
-during ``up`` takes down what that ``up`` started.
+headless against the stack; ``down`` frees every process and port; a service that dies
+during ``up`` takes down what that ``up`` started; and ``down --purge`` deletes everything,
+PostgreSQL's data outside the stack's directory included.
 
 Recorded (``record_property`` and stdout with ``-s``): ``up``'s wall time, the idle stack's
 memory, each notebook's execution time.
@@ -14,6 +17,8 @@ memory, each notebook's execution time.
 
 from __future__ import annotations
 
+import os
+import pwd
 import re
 import shutil
 import signal
@@ -25,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from raydeck.stack import processes
+from raydeck.stack import postgres, processes
 from raydeck.stack.services import SERVICES
 from tests.fixtures.processes import wait_until
 from tests.fixtures.stack import StackUnderTest
@@ -58,7 +63,7 @@ def _memory_mib(ps_output: str) -> int:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[dict[str, Any]]:
-    under_test = StackUnderTest()
+    under_test = StackUnderTest(mode=0o700)
     started = time.perf_counter()
     try:
         answer = under_test.cli("up", "--free-ports", "--num-cpus", "4", timeout_s=UP_TIMEOUT_S)
@@ -67,6 +72,11 @@ def stack() -> Iterator[dict[str, Any]]:
         yield {"stack": under_test, "up": answer, "up_wall_time_s": wall_time_s}
     finally:
         under_test.destroy()
+        # Only if the purge test did not run or failed.
+        shutil.rmtree(postgres.SYSTEM_DATA_ROOT / under_test.paths.stack_id, ignore_errors=True)
+
+
+AS_ROOT = os.geteuid() == 0
 
 
 @pytest.mark.timeout(UP_TIMEOUT_S + 120)
@@ -93,6 +103,20 @@ def test_up_from_nothing_starts_every_service_and_shows_no_secret(
                  under_test.paths.ray_auth_token):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert str(under_test.stack_file) in up.stdout
+
+    # Where PostgreSQL keeps its data, said by `up` and `ps`: as root, out of the stack's
+    # private directory, somewhere the postgres user can reach and nobody else can.
+    state = under_test.state()
+    pgdata = state.pgdata(under_test.paths)
+    assert (pgdata / "PG_VERSION").exists()
+    assert f"PostgreSQL data: {pgdata}" in up.stdout and f"PostgreSQL data: {pgdata}" in ps.stdout
+    if AS_ROOT:
+        home = postgres.SYSTEM_DATA_ROOT / under_test.paths.stack_id
+        assert state.postgres_home(under_test.paths) == home and pgdata.parent == home
+        assert not under_test.paths.postgres.exists()
+        info = home.stat()
+        assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (
+            pwd.getpwnam(postgres.SYSTEM_USER).pw_uid, 0o700)
 
 
 def test_up_again_starts_nothing(stack: dict[str, Any]) -> None:
@@ -255,7 +279,7 @@ def test_down_stops_every_process_and_frees_every_port(stack: dict[str, Any]) ->
     assert not under_test.marked()
     assert [port for port in ports if processes.listening(port)] == []
     assert not under_test.stack_file.exists()  # raydeck commands no longer use it
-    assert (under_test.paths.pgdata / "PG_VERSION").exists()  # the data stays
+    assert (under_test.state().pgdata(under_test.paths) / "PG_VERSION").exists()  # data stays
     ps = under_test.cli("ps")
     assert ps.returncode == 0 and ps.stdout.count("stopped") == len(SERVICE_NAMES)
 
@@ -280,3 +304,20 @@ def test_a_service_dying_during_up_stops_what_that_up_started(stack: dict[str, A
     assert not under_test.marked()
     assert [port for port in under_test.ports() if processes.listening(port)] == []
     assert not under_test.stack_file.exists()
+
+
+def test_down_purge_deletes_the_stack_and_postgres_data_outside_it(
+    stack: dict[str, Any]
+) -> None:
+    """Last in the module: it deletes the stack."""
+    under_test: StackUnderTest = stack["stack"]
+    home = under_test.state().postgres_home(under_test.paths)
+    down = under_test.cli("down", "--purge", timeout_s=300)
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert not under_test.paths.root.exists() and not home.exists()
+    assert not under_test.marked()
+    if AS_ROOT:
+        assert f"deleted {home}" in down.stdout, down.stdout
+        # No empty /var/lib/raydeck is left (another stack's files may keep it).
+        root = postgres.SYSTEM_DATA_ROOT
+        assert not root.exists() or any(root.iterdir())
