@@ -14,6 +14,9 @@ from typing import Any
 import pytest
 
 from raydeck.config import load_settings, unwrap_tracking_uri
+from raydeck.tracking.messages import AttachRequest, ProcessInfo
+from raydeck.tracking.router import Control, ProxyConfig, RouterCore
+from raydeck.tracking.run_lookup import Lookup
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.tracking import driver_process, metric_steps, read_line_with
 
@@ -129,3 +132,27 @@ def test_every_rank_calling_start_run_makes_one_run(
     # rank_zero mode (the default): rank 0's series, once; rank 1 wrote nothing.
     assert metric_steps(mlflow_client, run_id, "loss") == list(range(STEPS))
     assert {r.info.run_id for r in _all_runs(mlflow_client)} - before == {run_id}
+
+
+def _train_worker(rank: int) -> AttachRequest:
+    process = ProcessInfo(role="train_worker", role_key=f"train:job:fit:{rank}", job_id="job",
+                          node_ip="10.0.0.1", hostname="node", pid=100 + rank, world_rank=rank,
+                          world_size=2, train_run_name="fit")
+    return AttachRequest(client_id=f"client-{rank}", process=process, tracking_uri="http://m",
+                         run_key=None, run_name=None, experiment="Default", mode="rank_zero")
+
+
+def test_a_silent_rank_starting_late_does_not_reopen_the_ended_run() -> None:
+    # rank 1 of a rank_zero run may call mlflow.start_run() after rank 0 already ended the
+    # run (it imports slower): it gets the run's id, and the run stays ended.
+    sent: list[Control] = []
+    config = ProxyConfig(namespace="test", tracking_uri="http://m", artifact_location="",
+                         shards=1, writers=1, spool_dir="/nonexistent", fsync=False,
+                         lost_after_s=60.0, idle_timeout_s=900.0)
+    router = RouterCore(config, sent.append, lambda key, experiment: Lookup(known=True),
+                        lambda everyone, quiet: set())
+    assert router.attach(_train_worker(0)).active
+    assert router.detach("client-0", "FINISHED") == ["fit"]
+    sent.clear()
+    assert not router.attach(_train_worker(1)).active
+    assert sent == []

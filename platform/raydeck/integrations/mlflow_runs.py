@@ -76,9 +76,13 @@ class PluginRuns:
             run = self._backend.create_run(experiment_id, user_id, start_time, tags, run_name)
             self.tracker(run.info.run_id)
             return run
+        # The caller's MLflow experiment, for a run this call creates (a run that exists, e.g.
+        # made by a raydeck driver, keeps its own).
+        experiment = str(self._backend.get_experiment(experiment_id).name)
         try:
-            tracker = get_tracker(settings=self._settings)
-            run_id = tracker.run_id if tracker.active else self._wait_run_id(tracker)
+            tracker = get_tracker(experiment=experiment, settings=self._settings)
+            run_id = tracker.run_id if tracker.active else self._wait_run_id(
+                tracker, experiment)
         except TrackingUnavailableError as exc:
             raise MlflowException(str(exc), TEMPORARILY_UNAVAILABLE) from exc
         with self._lock:
@@ -97,11 +101,12 @@ class PluginRuns:
                 tracker = self._trackers[run_id] = get_tracker(run_id, settings=self._settings)
             return tracker
 
-    def end(self, run_id: str, status: str) -> None:
+    def end(self, run_id: str, status: str) -> bool:
         """End ``run_id``'s tracker with ``status``: send everything and wait until it is in
         MLflow (at most ``RAYDECK_TRACKING_FINISH_TIMEOUT_S``; what is still pending then stays
         spooled and lands later, and a warning says what). Values MLflow refused for good are
         dead letters: logged, recorded on the run, never raised into the caller's ``end_run``.
+        Returns whether everything landed (False: MLflow did not take it all in time).
 
         Raises:
             MlflowException: the proxy could not be reached to take the last data.
@@ -111,9 +116,10 @@ class PluginRuns:
         if tracker is None:
             tracker = get_tracker(run_id, settings=self._settings)
         try:
-            tracker.finish(status)
+            return tracker.finish(status).landed
         except TrackingWriteError as exc:
             logger.warning("%s", exc)
+            return True
         except TrackingUnavailableError as exc:
             raise MlflowException(str(exc), TEMPORARILY_UNAVAILABLE) from exc
 
@@ -124,23 +130,21 @@ class PluginRuns:
         for tracker in trackers:
             tracker.flush()
 
-    def _wait_run_id(self, tracker: Tracker) -> str:
+    def _wait_run_id(self, tracker: Tracker, experiment: str) -> str:
         """MLflow's id of a silent rank's run: known to the router, or found by its run key
-        once the run's shard created it."""
+        once the run's shard created it (in the caller's experiment or raydeck's)."""
         if tracker.known_run_id():
             return tracker.known_run_id()
-        experiment = self._backend.get_experiment_by_name(self._settings.tracking.experiment)
+        names = dict.fromkeys((experiment, self._settings.tracking.experiment))
         deadline = time.monotonic() + RUN_ID_WAIT_S
         while time.monotonic() < deadline:
-            if experiment is None:
-                experiment = self._backend.get_experiment_by_name(
-                    self._settings.tracking.experiment)
-            if experiment is not None:
-                found = self._backend.search_runs(
-                    [experiment.experiment_id], f"tags.`{RUN_KEY_TAG}` = '{tracker.run_key}'",
-                    run_view_type=ViewType.ALL, max_results=1)
-                if found:
-                    return str(found[0].info.run_id)
+            found_experiments = (self._backend.get_experiment_by_name(name) for name in names)
+            ids = [e.experiment_id for e in found_experiments if e is not None]
+            found = self._backend.search_runs(
+                ids, f"tags.`{RUN_KEY_TAG}` = '{tracker.run_key}'",
+                run_view_type=ViewType.ALL, max_results=1) if ids else []
+            if found:
+                return str(found[0].info.run_id)
             time.sleep(RUN_ID_POLL_INTERVAL_S)
         raise TrackingUnavailableError(
             f"run {tracker.run_key!r} did not appear in MLflow within {RUN_ID_WAIT_S:.0f} s")

@@ -113,19 +113,17 @@ class RaydeckStore(AbstractStore):
         if run_name:
             self._write(run_id, lambda t: t.set_tags({MLFLOW_RUN_NAME: run_name}))
         status = RunStatus.to_string(run_status) if run_status is not None else ""
+        landed = True
         if status in TERMINAL_STATUSES:
-            self._runs.end(run_id, status)
+            landed = self._runs.end(run_id, status)
         elif status:
             self._runs.tracker(run_id)
-        try:
+        if landed:
             info: RunInfo = self.backend.get_run(run_id).info
-        except MlflowException as exc:
-            # MLflow is down: the end is spooled and lands later; say what the caller asked for.
-            logger.warning("run %s: MLflow did not answer after update_run_info (%s)", run_id,
-                           exc.message)
-            info = RunInfo(run_id, "", "", status or "RUNNING", 0, end_time, "active",
-                           run_name=run_name)
-        return info
+            return info
+        # MLflow did not take the run's data in time (it is spooled and lands later, the end
+        # too): no read that would wait on MLflow again; the info the caller asked for.
+        return RunInfo(run_id, "", "", status, 0, end_time, "active", run_name=run_name)
 
     # --- run data -----------------------------------------------------------------------------
     def log_batch(self, run_id: str, metrics: list[Metric], params: list[Param],
