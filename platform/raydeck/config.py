@@ -13,7 +13,9 @@ The ecosystem's own variables count as well, below raydeck's explicit settings: 
 is ``RAYDECK_TRACKING_URI`` > ``raydeck.toml`` ``[tracking].uri`` > ``MLFLOW_TRACKING_URI``
 (MLflow's variable, which every MLflow user already has) > the stack's > the embedded SQLite
 file. ``MLFLOW_TRACKING_URI`` wins over the stack as ``RAY_ADDRESS`` wins over the stack's Ray
-address: a process told where its server is keeps it. An empty value counts as unset.
+address: a process told where its server is keeps it. An empty value counts as unset. A
+``raydeck`` MLflow URI (the MLflow plugin's, :func:`unwrap_tracking_uri`) names raydeck's backend:
+``raydeck://`` counts as unset, ``raydeck+http://host`` as ``http://host``.
 :func:`load_settings_with_origins` says which source each value came from (``raydeck config``
 shows it).
 
@@ -54,6 +56,25 @@ RUN_KEY_PATTERN = re.compile(r"^[\w.\-]{1,128}$")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _URI_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
+# MLflow tracking URIs served by raydeck's MLflow plugin (raydeck.integrations.mlflow_store):
+# ``raydeck://`` is raydeck's configured backend, ``raydeck+<backend URI>`` wraps that backend.
+RAYDECK_URI_SCHEME = "raydeck"
+
+
+def unwrap_tracking_uri(uri: str) -> str:
+    """The backend an MLflow tracking URI names for raydeck.
+
+    Returns ``""`` for ``raydeck://`` (raydeck's own resolution: settings, stack, embedded
+    default), ``<backend>`` for ``raydeck+<backend>`` (``raydeck+http://h:5000`` ->
+    ``http://h:5000``), and any other URI unchanged. So every process that inherits
+    ``MLFLOW_TRACKING_URI=raydeck+...`` (Ray workers, the proxy's actors) resolves one backend.
+    """
+    prefix = RAYDECK_URI_SCHEME + "+"
+    if uri.startswith(prefix):
+        return uri[len(prefix):]
+    if uri.rstrip("/") == f"{RAYDECK_URI_SCHEME}:":
+        return ""
+    return uri
 
 
 def setting(default: Any, doc: str) -> Any:
@@ -410,7 +431,7 @@ def load_settings_with_origins(
         for section, obj in _sections(settings) for f in dataclasses.fields(obj)
         if f.name not in ("tracking", "storage")
     }
-    mlflow_uri = env.get(MLFLOW_TRACKING_URI_ENV, "").strip()
+    mlflow_uri = unwrap_tracking_uri(env.get(MLFLOW_TRACKING_URI_ENV, "").strip())
     if mlflow_uri and not settings.tracking.uri:
         problem = tracking_uri_problem(mlflow_uri)
         if problem:

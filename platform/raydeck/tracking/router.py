@@ -172,7 +172,11 @@ class RouterCore:
         with self._lock:
             if process.train_run_name and process.train_run_name != key:
                 self._aliases[process.train_run_name] = key
-            if run.terminated:
+            # Logging after the end reopens the run (the next finish ends it again), but a rank
+            # that stays silent in rank_zero mode never joins, so it must not reopen a run it
+            # would never end (a slow rank 1 attaching after rank 0 ended the run).
+            silent = run.mode == "rank_zero" and not process.is_primary_candidate
+            if run.terminated and not silent:
                 run.terminated = False
                 run.needs_open = True
                 run.primary = None

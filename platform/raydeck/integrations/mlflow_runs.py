@@ -1,0 +1,151 @@
+"""Which raydeck tracker an MLflow run's writes go to: run identity for the MLflow plugin.
+
+Owns: :class:`PluginRuns`, the map from MLflow run ids to the trackers that carry their writes,
+and the rule that decides what ``mlflow.start_run()`` (the store's ``create_run``) binds to:
+
+- Inside a Ray Train worker, a Tune trial, or a process with ``RAYDECK_RUN_ID`` (a job
+  ``raydeck submit`` started): the run raydeck's own :func:`~raydeck.tracking.get_tracker`
+  gives there (the Train run, the trial's run, the job's run), so N ranks calling
+  ``mlflow.start_run()`` make one run. The tracking mode decides who writes: in ``rank_zero``
+  the other ranks get the run's id and a tracker that logs nothing.
+- Anywhere else (a plain script or driver): a new run, created in the backend exactly as plain
+  MLflow creates it (experiment, name, tags, user, start time), then attached to by its MLflow
+  run id, so every process that writes to that id (``MlflowClient`` in actors too) joins one
+  proxy run.
+- A write or ``start_run(run_id=...)`` for a run id this process has not bound attaches to that
+  existing MLflow run.
+
+Does not own the MLflow store interface (:mod:`raydeck.integrations.mlflow_store`) nor any
+delivery: writes go through :class:`~raydeck.tracking.Tracker`, the same client raydeck's own
+calls use.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from mlflow.entities import RunTag, ViewType
+from mlflow.exceptions import MlflowException
+from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
+from mlflow.store.tracking.abstract_store import AbstractStore
+from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
+
+from raydeck.cluster import connect
+from raydeck.config import Settings
+from raydeck.errors import TrackingUnavailableError, TrackingWriteError
+from raydeck.tracking import Tracker, get_tracker
+from raydeck.tracking.context import detect_process
+
+logger = logging.getLogger(__name__)
+
+# A rank that logs nothing (rank_zero mode) learns its run's MLflow id from the backend, where
+# rank 0's shard creates the run; it asks this often and gives up after the tracker's own wait.
+RUN_ID_POLL_INTERVAL_S = 0.2
+RUN_ID_WAIT_S = 60.0
+RUN_KEY_TAG = "raydeck.run_key"
+TERMINAL_STATUSES = frozenset({"FINISHED", "FAILED", "KILLED"})
+
+
+class PluginRuns:
+    """The trackers this process opened through the plugin for one backend, by MLflow run id.
+
+    Thread-safe. A tracker stays bound until its run is ended (``end``); a later write to the
+    same run id attaches again (the router reopens the run, as for raydeck's own calls).
+    """
+
+    def __init__(self, settings: Settings, backend: AbstractStore) -> None:
+        self._settings = settings
+        self._backend = backend
+        self._lock = threading.Lock()
+        self._trackers: dict[str, Tracker] = {}
+
+    def create(self, experiment_id: str, user_id: str | None, start_time: int | None,
+               tags: list[RunTag], run_name: str | None) -> Any:
+        """The run ``mlflow.start_run()`` gets here (see the module docstring); an MLflow Run.
+
+        Raises:
+            MlflowException: the backend refused the run or could not be reached, or the
+                context's run did not appear in MLflow within ``RUN_ID_WAIT_S``.
+        """
+        connect(self._settings)
+        process = detect_process()
+        if not (process.train_run_name or process.trial_id or self._settings.run_id):
+            run = self._backend.create_run(experiment_id, user_id, start_time, tags, run_name)
+            self.tracker(run.info.run_id)
+            return run
+        # The caller's MLflow experiment, for a run this call creates (a run that exists, e.g.
+        # made by a raydeck driver, keeps its own).
+        experiment = str(self._backend.get_experiment(experiment_id).name)
+        try:
+            tracker = get_tracker(experiment=experiment, settings=self._settings)
+            run_id = tracker.run_id if tracker.active else self._wait_run_id(
+                tracker, experiment)
+        except TrackingUnavailableError as exc:
+            raise MlflowException(str(exc), TEMPORARILY_UNAVAILABLE) from exc
+        with self._lock:
+            self._trackers[run_id] = tracker
+        # The context's run keeps its own name; MLflow's context tags (user, source) still land.
+        tracker.set_tags({t.key: t.value for t in tags if t.key != MLFLOW_RUN_NAME}, strict=False)
+        logger.info("mlflow.start_run() in %s bound to run %s (%s)", process.role, run_id,
+                    tracker.run_key)
+        return self._backend.get_run(run_id)
+
+    def tracker(self, run_id: str) -> Tracker:
+        """The tracker for ``run_id``: bound here already, or attached to that MLflow run now."""
+        with self._lock:
+            tracker = self._trackers.get(run_id)
+            if tracker is None:
+                tracker = self._trackers[run_id] = get_tracker(run_id, settings=self._settings)
+            return tracker
+
+    def end(self, run_id: str, status: str) -> bool:
+        """End ``run_id``'s tracker with ``status``: send everything and wait until it is in
+        MLflow (at most ``RAYDECK_TRACKING_FINISH_TIMEOUT_S``; what is still pending then stays
+        spooled and lands later, and a warning says what). Values MLflow refused for good are
+        dead letters: logged, recorded on the run, never raised into the caller's ``end_run``.
+        Returns whether everything landed (False: MLflow did not take it all in time).
+
+        Raises:
+            MlflowException: the proxy could not be reached to take the last data.
+        """
+        with self._lock:
+            tracker = self._trackers.pop(run_id, None)
+        if tracker is None:
+            tracker = get_tracker(run_id, settings=self._settings)
+        try:
+            return tracker.finish(status).landed
+        except TrackingWriteError as exc:
+            logger.warning("%s", exc)
+            return True
+        except TrackingUnavailableError as exc:
+            raise MlflowException(str(exc), TEMPORARILY_UNAVAILABLE) from exc
+
+    def flush(self) -> None:
+        """Hand every bound tracker's buffered writes to the proxy (spooled, durable)."""
+        with self._lock:
+            trackers = list(self._trackers.values())
+        for tracker in trackers:
+            tracker.flush()
+
+    def _wait_run_id(self, tracker: Tracker, experiment: str) -> str:
+        """MLflow's id of a silent rank's run: known to the router, or found by its run key
+        once the run's shard created it (in the caller's experiment or raydeck's)."""
+        if tracker.known_run_id():
+            return tracker.known_run_id()
+        names = dict.fromkeys((experiment, self._settings.tracking.experiment))
+        deadline = time.monotonic() + RUN_ID_WAIT_S
+        while time.monotonic() < deadline:
+            found_experiments = (self._backend.get_experiment_by_name(name) for name in names)
+            ids = [e.experiment_id for e in found_experiments if e is not None]
+            found = self._backend.search_runs(
+                ids, f"tags.`{RUN_KEY_TAG}` = '{tracker.run_key}'",
+                run_view_type=ViewType.ALL, max_results=1) if ids else []
+            if found:
+                return str(found[0].info.run_id)
+            time.sleep(RUN_ID_POLL_INTERVAL_S)
+        raise TrackingUnavailableError(
+            f"run {tracker.run_key!r} did not appear in MLflow within {RUN_ID_WAIT_S:.0f} s")
+

@@ -1,0 +1,158 @@
+"""Existing MLflow code, with only ``MLFLOW_TRACKING_URI`` changed to a ``raydeck+`` URI, logs
+through raydeck's proxy: every value lands exactly once, runs end with the right status, no
+stray runs; bad input raises MLflow's own exception where MLflow would raise it.
+
+Counts are read back through the real MLflow server's REST API (the session's server).
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from raydeck.config import load_settings, unwrap_tracking_uri
+from raydeck.tracking.messages import AttachRequest, ProcessInfo
+from raydeck.tracking.router import Control, ProxyConfig, RouterCore
+from raydeck.tracking.run_lookup import Lookup
+from tests.fixtures.mlflow_server import MlflowServer
+from tests.fixtures.tracking import driver_process, metric_steps, read_line_with
+
+STEPS = 40
+KEYS = ("loss", "acc", "lr")
+
+
+def _all_runs(client: Any) -> list[Any]:
+    from mlflow.entities import ViewType
+
+    experiments = [e.experiment_id for e in client.search_experiments(view_type=ViewType.ALL)]
+    return list(client.search_runs(experiments, run_view_type=ViewType.ALL, max_results=5000))
+
+
+def test_raydeck_uris_name_their_backend_in_raydecks_settings() -> None:
+    assert unwrap_tracking_uri("raydeck+http://h:5000") == "http://h:5000"
+    assert unwrap_tracking_uri("raydeck+sqlite:////tmp/m.db") == "sqlite:////tmp/m.db"
+    assert unwrap_tracking_uri("raydeck://") == ""
+    assert unwrap_tracking_uri("http://h:5000") == "http://h:5000"
+    settings = load_settings({"MLFLOW_TRACKING_URI": "raydeck+http://h:5000"})
+    assert settings.tracking.uri == "http://h:5000"
+    # raydeck:// is raydeck's own resolution: the embedded default here.
+    assert load_settings({"MLFLOW_TRACKING_URI": "raydeck://"}).tracking.uri.startswith(
+        "sqlite:")
+
+
+@pytest.mark.timeout(120)
+def test_plain_mlflow_loop_in_a_python_script_lands_exactly_once(
+        ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any) -> None:
+    before = {r.info.run_id for r in _all_runs(mlflow_client)}
+    proc = driver_process(f"""
+        import mlflow
+
+        with mlflow.start_run(run_name="plain-loop") as run:
+            print("RUN", run.info.run_id, flush=True)
+            mlflow.log_params({{"lr": 0.1, "layers": 2}})
+            mlflow.set_tag("team", "vision")
+            for step in range({STEPS}):
+                for key in {KEYS!r}:
+                    mlflow.log_metric(key, step / 10, step=step)
+        print("ENDED", flush=True)
+        """, env={"MLFLOW_TRACKING_URI": f"raydeck+{mlflow_server.uri}"})
+    run_id = read_line_with(proc, "RUN")
+    read_line_with(proc, "ENDED")
+    assert proc.wait(timeout=60) == 0
+    # end_run returned: the run's data is in MLflow (read-your-writes after end_run).
+    run = mlflow_client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.info.run_name == "plain-loop"
+    assert run.data.params == {"lr": "0.1", "layers": "2"}
+    assert run.data.tags["team"] == "vision"
+    for key in KEYS:
+        history = mlflow_client.get_metric_history(run_id, key)
+        assert sorted((m.step, m.value) for m in history) == [
+            (s, s / 10) for s in range(STEPS)]
+    assert {r.info.run_id for r in _all_runs(mlflow_client)} - before == {run_id}
+
+
+@pytest.mark.timeout(60)
+def test_bad_input_raises_mlflows_own_exception_at_the_call_site(
+        ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any) -> None:
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"raydeck+{mlflow_server.uri}")
+    run_id = client.create_run("0", run_name=f"bad-input-{uuid.uuid4().hex[:6]}").info.run_id
+    with pytest.raises(MlflowException) as raised:
+        client.log_metric(run_id, "bad key!", 1.0)
+    assert raised.value.error_code == "INVALID_PARAMETER_VALUE"
+    client.log_param(run_id, "lr", "0.1")
+    with pytest.raises(MlflowException):
+        client.log_param(run_id, "lr", "0.2")  # params are immutable, as in MLflow
+    client.log_metric(run_id, "good", 2.0, step=3)
+    client.set_terminated(run_id, "FAILED")
+    run = mlflow_client.get_run(run_id)
+    assert run.info.status == "FAILED"
+    assert run.data.params == {"lr": "0.1"}
+    assert metric_steps(mlflow_client, run_id, "good") == [3]
+    assert "bad key!" not in run.data.metrics
+
+
+def _rank_calls_start_run(config: dict[str, Any]) -> None:
+    import mlflow
+    import ray.train
+
+    rank = ray.train.get_context().get_world_rank()
+    mlflow.set_tracking_uri(config["uri"])
+    with mlflow.start_run() as run:
+        for step in range(STEPS):
+            mlflow.log_metric("loss", float(step), step=step)
+        Path(config["out"], f"rank_{rank}").write_text(run.info.run_id)
+
+
+@pytest.mark.timeout(180)
+def test_every_rank_calling_start_run_makes_one_run(
+        ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any,
+        tmp_path: Path) -> None:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    before = {r.info.run_id for r in _all_runs(mlflow_client)}
+    name = f"mlflow-ranks-{uuid.uuid4().hex[:6]}"
+    TorchTrainer(_rank_calls_start_run,
+                 train_loop_config={"uri": f"raydeck+{mlflow_server.uri}", "out": str(tmp_path)},
+                 scaling_config=ScalingConfig(num_workers=2),
+                 run_config=RunConfig(name=name, storage_path=str(tmp_path / "train"))).fit()
+    run_ids = {(tmp_path / f"rank_{rank}").read_text() for rank in (0, 1)}
+    assert len(run_ids) == 1
+    run_id = run_ids.pop()
+    run = mlflow_client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["raydeck.run_key"] == name
+    # rank_zero mode (the default): rank 0's series, once; rank 1 wrote nothing.
+    assert metric_steps(mlflow_client, run_id, "loss") == list(range(STEPS))
+    assert {r.info.run_id for r in _all_runs(mlflow_client)} - before == {run_id}
+
+
+def _train_worker(rank: int) -> AttachRequest:
+    process = ProcessInfo(role="train_worker", role_key=f"train:job:fit:{rank}", job_id="job",
+                          node_ip="10.0.0.1", hostname="node", pid=100 + rank, world_rank=rank,
+                          world_size=2, train_run_name="fit")
+    return AttachRequest(client_id=f"client-{rank}", process=process, tracking_uri="http://m",
+                         run_key=None, run_name=None, experiment="Default", mode="rank_zero")
+
+
+def test_a_silent_rank_starting_late_does_not_reopen_the_ended_run() -> None:
+    # rank 1 of a rank_zero run may call mlflow.start_run() after rank 0 already ended the
+    # run (it imports slower): it gets the run's id, and the run stays ended.
+    sent: list[Control] = []
+    config = ProxyConfig(namespace="test", tracking_uri="http://m", artifact_location="",
+                         shards=1, writers=1, spool_dir="/nonexistent", fsync=False,
+                         lost_after_s=60.0, idle_timeout_s=900.0)
+    router = RouterCore(config, sent.append, lambda key, experiment: Lookup(known=True),
+                        lambda everyone, quiet: set())
+    assert router.attach(_train_worker(0)).active
+    assert router.detach("client-0", "FINISHED") == ["fit"]
+    sent.clear()
+    assert not router.attach(_train_worker(1)).active
+    assert sent == []
