@@ -34,6 +34,7 @@ import abc
 import bisect
 import math
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -51,6 +52,17 @@ from raydeck.scheduling.policies import (
 DEFAULT_THRESHOLDS = (3600.0, 36000.0)
 # Finished jobs' services a Gittins policy keeps as the cluster's distribution (the newest).
 CLUSTER_SAMPLES = 2000
+
+
+class Durations(Protocol):
+    """Where a :class:`Gittins` in the queue reads finished runs' durations (seconds,
+    ascending) without waiting on anything: :class:`raydeck.scheduling.history.CachedHistory`."""
+
+    def runs(self, key: str) -> Sequence[float]:
+        """The job ``key``'s earlier runs."""
+
+    def cluster(self) -> Sequence[float]:
+        """Any job's earlier runs."""
 
 
 def service_rate(needs: Resources) -> float:
@@ -157,15 +169,20 @@ class Gittins(_AttainedService):
     """2D-Gittins: the highest Gittins index (:func:`gittins_index`) first, over the
     distribution of the job's own earlier runs when ``history`` has its key (durations in
     seconds, times its service rate), else the cluster's: ``services`` (GPU-seconds of
-    finished jobs) and every job this policy saw finish. Ties go to the least served."""
+    finished jobs) and every job this policy saw finish. Ties go to the least served.
+
+    In the queue, ``durations`` (MLflow's, read by the queue outside its lock) stand behind
+    ``history``: the job key's runs, else the cluster's runs (seconds, times the job's own
+    service rate: a run's GPUs are not in MLflow), else ``services`` as above."""
 
     name = "gittins"
 
     def __init__(self, aging_s: float = DEFAULT_AGING_S,
                  quotas: Mapping[str, Resources] | None = None,
                  history: Mapping[str, Sequence[float]] | None = None,
-                 services: Sequence[float] = ()) -> None:
+                 services: Sequence[float] = (), durations: Durations | None = None) -> None:
         super().__init__(aging_s, quotas)
+        self.durations = durations
         for value in (*services, *(d for runs in (history or {}).values() for d in runs)):
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"a duration or service of {value}: must be a number >= 0")
@@ -175,7 +192,9 @@ class Gittins(_AttainedService):
 
     def distribution(self, job: QueuedJob) -> list[float]:
         """Total services (ascending) ``job``'s is drawn from."""
-        runs = self.history.get(job.key) if job.key else None
+        runs: Sequence[float] | None = self.history.get(job.key) if job.key else None
+        if not runs and self.durations is not None:
+            runs = (self.durations.runs(job.key) if job.key else None) or self.durations.cluster()
         if runs:
             rate = service_rate(job.needs)
             return [rate * duration for duration in runs]
