@@ -70,6 +70,11 @@ def service_rate(needs: Resources) -> float:
     return needs.gpus if needs.gpus > 0 else needs.cpus
 
 
+def service_unit(needs: Resources) -> str:
+    """What :func:`service_rate` counts: ``GPU`` or ``CPU``."""
+    return "GPU" if needs.gpus > 0 else "CPU"
+
+
 def gittins_index(services: Sequence[float], attained: float) -> float:
     """The Gittins index of a job that has had ``attained`` service, its total service drawn
     from ``services`` (ascending): the best, over quanta D, of P(it ends within D more) /
@@ -84,9 +89,10 @@ def gittins_index(services: Sequence[float], attained: float) -> float:
     return float(np.max(np.arange(1, len(left) + 1) / np.maximum(used, 1e-9)))
 
 
-class _AttainedService(Policy):
+class AttainedService(Policy):
     """What both policies share: attained service per job, the starvation bound, and
-    preemption by rank (:meth:`rank`: lower goes first)."""
+    preemption by rank (:meth:`rank`: lower goes first; :meth:`describe_rank`, what
+    ``raydeck queue`` shows of it)."""
 
     def __init__(self, aging_s: float = DEFAULT_AGING_S,
                  quotas: Mapping[str, Resources] | None = None) -> None:
@@ -97,6 +103,10 @@ class _AttainedService(Policy):
     @abc.abstractmethod
     def rank(self, job: QueuedJob, attained: float) -> tuple[float, ...]:
         """Where a job with ``attained`` service stands: lower goes first."""
+
+    @abc.abstractmethod
+    def describe_rank(self, job: QueuedJob, attained: float) -> str:
+        """:meth:`rank` in words, for ``raydeck queue``."""
 
     def attained(self, job: QueuedJob, since_s: float | None = None,
                  now: float = 0.0) -> float:
@@ -141,7 +151,7 @@ class _AttainedService(Policy):
         return self.rank(piece.job, self.attained(piece.job, piece.started_s, now))
 
 
-class LeastAttainedService(_AttainedService):
+class LeastAttainedService(AttainedService):
     """Discretized 2D-LAS: queue ``i`` holds jobs whose service passed ``thresholds[:i]``;
     lower queues go first, first come, first served within one."""
 
@@ -164,8 +174,12 @@ class LeastAttainedService(_AttainedService):
     def rank(self, job: QueuedJob, attained: float) -> tuple[float, ...]:
         return (float(self.level(attained)),)
 
+    def describe_rank(self, job: QueuedJob, attained: float) -> str:
+        """``Q<queue> of <queues>`` (Q0 goes first)."""
+        return f"Q{self.level(attained)} of {len(self.thresholds) + 1}"
 
-class Gittins(_AttainedService):
+
+class Gittins(AttainedService):
     """2D-Gittins: the highest Gittins index (:func:`gittins_index`) first, over the
     distribution of the job's own earlier runs when ``history`` has its key (durations in
     seconds, times its service rate), else the cluster's: ``services`` (GPU-seconds of
@@ -202,6 +216,11 @@ class Gittins(_AttainedService):
 
     def rank(self, job: QueuedJob, attained: float) -> tuple[float, ...]:
         return (-gittins_index(self.distribution(job), attained), attained)
+
+    def describe_rank(self, job: QueuedJob, attained: float) -> str:
+        """``index <Gittins index> per <GPU or CPU>-h`` (higher goes first)."""
+        index = gittins_index(self.distribution(job), attained) * 3600
+        return f"index {index:.3g} per {service_unit(job.needs)}-h"
 
     def finished(self, job: RunningJob, now: float) -> None:
         served = self._served.get((job.job.id, job.job.submitted_s))

@@ -271,10 +271,10 @@ class JobQueue:
         claiming = self._claiming(active, queued, now)
         with self._lock:
             ordered = self._policy.order(queued, running, now)
-            policy = copy.deepcopy(self._policy)  # predictions never charge the live policy
+            policy = copy.deepcopy(self._policy)  # read without the lock below
         predicted = predicted_starts(policy, ordered, running, total, now)
         entries = explain(rows, ordered, active, running, free, claiming, self.teams_file().teams,
-                          policy.name, predicted)
+                          policy, predicted, now)
         entries += [Entry(JobView.of(r), None, None, r.reason) for r in self._store.jobs("failed")
                     if _refused(r) and r.ended_at is not None
                     and now - r.ended_at < REFUSED_SHOWN_S]
