@@ -186,6 +186,7 @@ def test_attained_service_on_a_generated_trace_runs_every_job_within_capacity(
             assert held <= capacity.gpus + 1e-6
 
 
+@pytest.mark.timeout(10)
 def test_the_vendored_public_trace_reads_as_converted() -> None:
     # benchmarks/traces/README.md: Tiresias' 60-job example, 1/2/4/8 GPUs, 121 s to 30 min.
     trace = read_trace(Path(__file__).parents[1] / "benchmarks" / "traces"
