@@ -95,6 +95,13 @@ def test_the_cache_keeps_what_it_read_when_mlflow_fails() -> None:
     now[0] = 61.0  # the cluster is stale: read again, fails, keeps the old
     cache.refresh(["k"])  # "k" was read: not asked again
     assert (cache.runs("k"), cache.cluster()) == ([10.0, 30.0], [5.0, 20.0])
+    answers["j"] = [7.0]
+    cache.refresh(["j"])  # within ttl_s of the failure: nothing asked
+    assert cache.runs("j") == []
+    now[0] = 122.0
+    cluster.append([1.0])
+    cache.refresh(["j"])
+    assert (cache.runs("j"), cache.cluster()) == ([7.0], [1.0])
     with pytest.raises(KeyError):
         cache("k")  # a submission's read raises for predict's fallback; the old stays
     assert cache.runs("k") == [10.0, 30.0]

@@ -20,6 +20,7 @@ predicts from its own record, and never holds its lock while asking).
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
@@ -128,9 +129,10 @@ class CachedHistory:
     Contract: only :meth:`__call__` (a submission's prediction) and :meth:`refresh` (the
     queue's tick, for the jobs it has) ask; a key is asked at each submission and by
     :meth:`refresh` only when never read; the cluster when its copy is older than
-    ``ttl_s``. A failure keeps what was read before (and is retried only after ``ttl_s``
-    for the cluster, at the next submission for a key). A policy copy shares this cache
-    (``copy.deepcopy`` returns it): it is read-only to policies.
+    ``ttl_s``. A failure keeps what was read before, and :meth:`refresh` then asks nothing
+    for ``ttl_s`` (a tick never waits on an MLflow that is down more than once per
+    ``ttl_s``). A policy copy shares this cache (``copy.deepcopy`` returns it): it is
+    read-only to policies.
     """
 
     def __init__(self, history: Callable[[str], list[float]] | None,
@@ -144,6 +146,7 @@ class CachedHistory:
         self._runs: dict[str, list[float]] = {}
         self._cluster: list[float] = []
         self._cluster_read: float | None = None
+        self._paused_until = -math.inf  # after a failed refresh
         self._guard = threading.Lock()  # the dict and the list, never across a read
 
     def __deepcopy__(self, memo: dict[int, object]) -> CachedHistory:
@@ -166,12 +169,15 @@ class CachedHistory:
     def refresh(self, keys: Iterable[str]) -> None:
         """Read the keys never read, and the cluster's durations when stale; logs a failure
         (what was read before stays)."""
+        now = self._clock()
         with self._guard:
+            if now < self._paused_until:
+                return
             unread = {k for k in keys if k and k not in self._runs}
             stale = self._read_cluster is not None and (
-                self._cluster_read is None or self._clock() - self._cluster_read >= self._ttl_s)
+                self._cluster_read is None or now - self._cluster_read >= self._ttl_s)
             if stale:
-                self._cluster_read = self._clock()
+                self._cluster_read = now
         try:
             for key in unread:
                 self(key)
@@ -180,6 +186,8 @@ class CachedHistory:
                 with self._guard:
                     self._cluster = durations
         except Exception as exc:  # MLflow down: rank by what was read before
+            with self._guard:
+                self._paused_until = now + self._ttl_s
             logger.warning("cannot read job durations from MLflow (%s); the gittins policy "
                            "ranks by what it read before",
                            redact_text(str(exc)).splitlines()[0][:200])
