@@ -72,6 +72,15 @@ def _table(rows: Iterable[ServiceStatus]) -> Table:
     return table
 
 
+def _postgres_data_line(stack: Stack) -> str:
+    """Where PostgreSQL's data lives, and why when it is outside the state directory."""
+    pgdata = stack.postgres_data()
+    if pgdata.is_relative_to(stack.paths.root):
+        return f"PostgreSQL data: {pgdata}"
+    return (f"PostgreSQL data: {pgdata} (its user cannot reach {stack.paths.root}; "
+            "`raydeck down --purge` deletes it too)")
+
+
 def up(
     port: list[str] = typer.Option([], "--port", help="NAME=PORT for a port not chosen yet "
                                    "(postgres, s3, mlflow, ray, ray-dashboard, ray-client, "
@@ -103,6 +112,7 @@ def up(
                   f"{report.credentials_file})\n"
                   f"  S3           {urls['s3']}\n  PostgreSQL   {urls['postgres']}",
                   soft_wrap=True, highlight=False)
+    console.print(_postgres_data_line(stack), soft_wrap=True, highlight=False)
     if report.connection_file:
         console.print(f"raydeck commands and jobs on this machine now use it (connection file "
                       f"{report.connection_file}); credentials: {report.credentials_file}",
@@ -119,13 +129,13 @@ def down(
 ) -> None:
     """Stop every service of the stack (what `raydeck up` started, nothing else)."""
     stack = _stack(events=True)
-    stopped = stack.down(purge=purge)
-    if stopped:
-        console.print(f"stopped {', '.join(stopped)}")
+    report = stack.down(purge=purge)
+    if report.stopped:
+        console.print(f"stopped {', '.join(report.stopped)}")
     else:
         console.print(f"nothing was running ({stack.paths.root})", soft_wrap=True)
-    if purge:
-        console.print(f"deleted {stack.paths.root}", soft_wrap=True)
+    for path in report.deleted:
+        console.print(f"deleted {path}", soft_wrap=True)
 
 
 def ps() -> None:
@@ -133,6 +143,7 @@ def ps() -> None:
     stack = _stack()
     rows = stack.status()
     console.print(_table(rows))
+    console.print(_postgres_data_line(stack), soft_wrap=True, highlight=False)
     total = sum(row.memory_bytes for row in rows)
     if total:
         console.print(f"memory (RSS, all processes of the stack): {total / MIB:.0f} MiB")

@@ -199,11 +199,12 @@ class PostgresLauncher(Launcher):
 
     def _install(self, ctx: StackContext) -> postgres.PostgresInstall:
         bin_dir = Path(ctx.state.postgres_bin) if ctx.state.postgres_bin else None
-        return postgres.find_install(ctx.paths.pgdata, bin_dir)
+        return postgres.find_install(ctx.state.pgdata(ctx.paths), bin_dir)
 
     def check(self, ctx: StackContext) -> None:
+        # Where the data lives decides which server version may open it.
+        postgres.place_data(ctx.paths, ctx.state, postgres.run_as())
         self._install(ctx)
-        postgres.run_as()
         try:
             import psycopg  # noqa: F401
         except ImportError:
@@ -212,14 +213,15 @@ class PostgresLauncher(Launcher):
 
     def prepare(self, ctx: StackContext) -> None:
         user = postgres.run_as()
-        postgres.prepare_directory(ctx.paths.postgres, user)
-        if postgres.data_version(ctx.paths.pgdata) is None:
-            postgres.initdb(self._install(ctx), ctx.paths.pgdata,
-                            ctx.credentials.postgres_password, user,
+        pgdata = ctx.state.pgdata(ctx.paths)
+        postgres.prepare_directory(pgdata.parent, user)
+        if postgres.data_version(pgdata) is None:
+            postgres.initdb(self._install(ctx), pgdata, ctx.credentials.postgres_password, user,
                             ctx.paths.log(self.spec.name))
 
     def argv(self, ctx: StackContext) -> list[str]:
-        return postgres.server_argv(self._install(ctx), ctx.paths.pgdata, ctx.port("postgres"))
+        return postgres.server_argv(self._install(ctx), ctx.state.pgdata(ctx.paths),
+                                    ctx.port("postgres"))
 
     def run_as(self, ctx: StackContext) -> RunAs | None:
         return postgres.run_as()

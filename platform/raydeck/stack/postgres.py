@@ -10,7 +10,10 @@ Owns the parts of PostgreSQL that can go wrong before it starts, each as one cle
   names both versions and the ways out (install the old server, ``pg_upgrade``, or purge).
 - **Root.** PostgreSQL refuses to run as root, so under root it runs as the ``postgres`` system
   user (Debian's package creates it), which must be able to reach the data directory: every
-  directory above it must let other users through (a home directory such as ``/root`` does not).
+  directory above it must let other users through. When the stack's state directory does not
+  (it is under a home directory such as ``/root``), PostgreSQL's files live in
+  ``/var/lib/raydeck/<stack id>`` instead, owned by that user; the choice is recorded in the
+  stack's state and ``raydeck down --purge`` removes the directory.
 
 The server listens on 127.0.0.1 only, without a Unix socket, and accepts password logins
 (scram-sha-256) for the stack's user; the password comes from the stack's credentials and is
@@ -19,6 +22,7 @@ handed to ``initdb`` in a file only that user can read, removed straight after.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import re
@@ -32,6 +36,7 @@ from raydeck.errors import StackError
 from raydeck.secrets import Secret
 from raydeck.stack.processes import RunAs, open_log
 from raydeck.stack.services import LOOPBACK, POSTGRES_DB, POSTGRES_USER
+from raydeck.stack.state import StackPaths, StackState
 
 DEBIAN_ROOT = Path("/usr/lib/postgresql")
 SERVER_BINARIES = ("postgres", "initdb")
@@ -39,6 +44,9 @@ SYSTEM_USER = "postgres"
 COMMAND_TIMEOUT_S = 120.0
 CONNECT_TIMEOUT_S = 3
 INSTALL_HINT = "apt-get install postgresql"
+# Where PostgreSQL's files go when the system user cannot reach the stack's state directory.
+SYSTEM_DATA_ROOT = Path("/var/lib/raydeck")
+SHELL = "/bin/sh"
 
 
 @dataclass(frozen=True)
@@ -149,27 +157,65 @@ def run_as() -> RunAs | None:
                  groups=tuple(os.getgrouplist(entry.pw_name, entry.pw_gid)))
 
 
+def _reaches(user: RunAs, directory: Path, access: str) -> bool:
+    """Whether ``user`` passes ``test -<access>`` on ``directory``: asking as that user sees
+    every directory above it, ACLs and mount options included. The shell's builtin, so PATH
+    does not matter."""
+    answer = subprocess.run([SHELL, "-c", 'test -"$1" "$2"', SHELL, access, str(directory)],
+                            user=user.uid, group=user.gid, extra_groups=list(user.groups),
+                            timeout=COMMAND_TIMEOUT_S, check=False)
+    return answer.returncode == 0
+
+
+def place_data(paths: StackPaths, state: StackState, user: RunAs | None) -> None:
+    """Choose where PostgreSQL's files live, once, and record it in ``state``.
+
+    In the state directory (``stack/postgres``) unless PostgreSQL runs as another user (under
+    root) who cannot pass through it: then in ``/var/lib/raydeck/<stack id>``. A recorded
+    choice is kept, and a data directory already in the state directory stays there.
+    ``paths.root`` must exist.
+    """
+    if (state.postgres_dir or user is None or data_version(paths.pgdata) is not None
+            or _reaches(user, paths.root, "x")):
+        return
+    state.postgres_dir = str(SYSTEM_DATA_ROOT / paths.stack_id)
+
+
 def prepare_directory(directory: Path, user: RunAs | None) -> None:
-    """Create ``directory`` (the parent of the data directory) for ``user``.
+    """Create ``directory`` (the parent of the data directory) for ``user``, mode 0700.
 
     Raises:
-        StackError: ``user`` cannot reach it (a directory above it keeps others out).
+        StackError: it cannot be created, or ``user`` cannot reach it (a directory above it
+            keeps others out).
     """
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StackError(f"postgres: cannot create {directory} ({exc.strerror}); set "
+                         "RAYDECK_DATA_DIR to a directory you can write") from None
     directory.chmod(0o700)
     if user is None:
         return
     os.chown(directory, user.uid, user.gid)
-    reachable = subprocess.run(["test", "-w", str(directory)], user=user.uid, group=user.gid,
-                               extra_groups=list(user.groups), timeout=COMMAND_TIMEOUT_S,
-                               check=False)
-    if reachable.returncode != 0:
+    if not _reaches(user, directory, "w"):
         raise StackError(
             f"postgres: PostgreSQL refuses to run as root, so it runs as the system user "
             f"'{user.user}', which cannot reach {directory} (a directory above it keeps other "
-            "users out, as /root does); set RAYDECK_DATA_DIR to a directory other users can "
-            "pass through, e.g. /srv/raydeck or /var/lib/raydeck, or run raydeck as a "
-            "non-root user")
+            "users out, as /root does); let other users through that directory (chmod o+x), "
+            "set RAYDECK_DATA_DIR to a directory they can pass through, e.g. /srv/raydeck, or "
+            "run raydeck as a non-root user")
+
+
+def remove_outside(paths: StackPaths, state: StackState) -> Path | None:
+    """Delete PostgreSQL's files kept outside the state directory (``down --purge``), and
+    ``/var/lib/raydeck`` once no other stack's are in it; the directory deleted, or None."""
+    home = state.postgres_home(paths)
+    if home.is_relative_to(paths.root):
+        return None
+    shutil.rmtree(home, ignore_errors=True)
+    with contextlib.suppress(OSError):  # not empty: another stack's files
+        SYSTEM_DATA_ROOT.rmdir()
+    return home
 
 
 def initdb(install: PostgresInstall, pgdata: Path, password: Secret, user: RunAs | None,

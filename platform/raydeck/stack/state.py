@@ -8,7 +8,8 @@ Layout (everything the stack owns, so ``raydeck down --purge`` removes exactly t
       state.json          ports, started processes (PID + start time), versions
       lock                held by `up` and `down` while they work
       logs/<service>.log  each service's output
-      postgres/data       PostgreSQL's data directory (owned by the user PostgreSQL runs as)
+      postgres/data       PostgreSQL's data directory (owned by the user PostgreSQL runs as),
+                          unless state.json records it elsewhere (see below)
       s3/                 SeaweedFS' volumes and metadata
       prometheus/         its rendered config and time series
       jupyter/            Jupyter's and IPython's own config, data and runtime files
@@ -16,6 +17,11 @@ Layout (everything the stack owns, so ``raydeck down --purge`` removes exactly t
 
 plus Ray's temp dir, ``/tmp/raydeck-<hash of the state dir>``: Ray's Unix sockets live in it and
 must stay under ~107 characters, which a path inside a project may not.
+
+Under root PostgreSQL runs as the ``postgres`` system user; when that user cannot reach the
+state directory (a directory above it keeps other users out, as ``/root`` does) its files live
+in ``/var/lib/raydeck/<stack id>`` instead, recorded as ``postgres_dir`` so every later ``up`` uses
+it and ``down --purge`` removes it.
 
 Ports are chosen on the first ``up`` and kept, so URLs stay the same from one ``up`` to the next.
 """
@@ -38,6 +44,7 @@ from raydeck.stack.processes import ProcessRecord
 # Bumped when the directory's layout changes in a way an older raydeck cannot read.
 STATE_LAYOUT = 1
 DIR_NAME = "stack"
+PGDATA_NAME = "data"
 RAY_TEMP_ROOT = Path("/tmp")
 
 
@@ -85,7 +92,8 @@ class StackPaths:
 
     @property
     def pgdata(self) -> Path:
-        return self.postgres / "data"
+        """PostgreSQL's data directory in the state directory (its default place)."""
+        return self.postgres / PGDATA_NAME
 
     @property
     def s3(self) -> Path:
@@ -104,9 +112,14 @@ class StackPaths:
         return self.root / "notebooks"
 
     @property
+    def stack_id(self) -> str:
+        """A short name for this stack, the same on every ``up``: it names its directories
+        outside the state directory (Ray's temp dir, PostgreSQL's data under root)."""
+        return hashlib.sha256(str(self.root).encode()).hexdigest()[:10]
+
+    @property
     def ray_temp_dir(self) -> Path:
-        digest = hashlib.sha256(str(self.root).encode()).hexdigest()[:10]
-        return RAY_TEMP_ROOT / f"raydeck-{digest}"
+        return RAY_TEMP_ROOT / f"raydeck-{self.stack_id}"
 
 
 @dataclass
@@ -119,6 +132,8 @@ class StackState:
     services: dict[str, ProcessRecord] = field(default_factory=dict)
     postgres_bin: str = ""
     num_cpus: int | None = None
+    # PostgreSQL's files when not in ``stack/postgres`` (empty: they are there).
+    postgres_dir: str = ""
 
     @classmethod
     def load(cls, path: Path) -> StackState:
@@ -147,7 +162,16 @@ class StackState:
                    internal_ports={k: dict(v) for k, v in
                                    document.get("internal_ports", {}).items()},
                    services=services, postgres_bin=str(document.get("postgres_bin", "")),
-                   num_cpus=document.get("num_cpus"))
+                   num_cpus=document.get("num_cpus"),
+                   postgres_dir=str(document.get("postgres_dir", "")))
+
+    def postgres_home(self, paths: StackPaths) -> Path:
+        """The directory holding PostgreSQL's data directory (and nothing of anyone else's)."""
+        return Path(self.postgres_dir) if self.postgres_dir else paths.postgres
+
+    def pgdata(self, paths: StackPaths) -> Path:
+        """PostgreSQL's data directory, wherever this stack keeps it."""
+        return self.postgres_home(paths) / PGDATA_NAME
 
     def ports_in_use(self) -> set[int]:
         """Every port recorded for this stack, public and internal: a new one must differ."""

@@ -13,7 +13,8 @@
 
 ``up`` is idempotent: services already running are left alone (a running training job is never
 restarted), crashed ones are started again. ``down`` stops exactly what was recorded, then
-every process still carrying the stack's marker; ``down --purge`` also deletes the state.
+every process still carrying the stack's marker; ``down --purge`` also deletes the state, Ray's
+temp directory and PostgreSQL's files where they live outside the state directory (under root).
 
 Progress goes to an optional event callback (the CLI draws it); this module never prints.
 """
@@ -41,7 +42,7 @@ from raydeck.config import (
     load_settings_with_origins,
 )
 from raydeck.errors import ConfigError, StackError
-from raydeck.stack import processes
+from raydeck.stack import postgres, processes
 from raydeck.stack.launchers import LAUNCHERS, Launcher, StackContext, process_env
 from raydeck.stack.processes import ProcessRecord
 from raydeck.stack.services import LOOPBACK, SERVICES, default_port, service
@@ -82,6 +83,14 @@ class UpReport:
     services: tuple[ServiceStatus, ...]
     connection_file: Path | None
     credentials_file: Path
+
+
+@dataclass(frozen=True)
+class DownReport:
+    """What ``down`` did: the services that were running, the directories it deleted."""
+
+    stopped: tuple[str, ...]
+    deleted: tuple[Path, ...]
 
 
 def last_log_line(path: Path, mask: Callable[[str], str]) -> str:
@@ -352,14 +361,15 @@ class Stack:
         return found
 
     # --- down ---------------------------------------------------------------------------------
-    def down(self, *, purge: bool = False) -> list[str]:
-        """Stop every service of the stack (and everything carrying its marker); returns the
-        services that were running. ``purge`` also deletes the state directory and Ray's temp
-        directory. The connection file is removed if it names this stack.
+    def down(self, *, purge: bool = False) -> DownReport:
+        """Stop every service of the stack (and everything carrying its marker). ``purge`` also
+        deletes the state directory, Ray's temp directory and PostgreSQL's files kept outside
+        the state directory. The connection file is removed if it names this stack.
         """
         if not self.paths.root.exists():
-            return []
+            return DownReport(stopped=(), deleted=())
         stopped = []
+        deleted = []
         with locked(self.paths):
             try:
                 state = StackState.load(self.paths.state_file)
@@ -384,7 +394,11 @@ class Stack:
             if purge:
                 shutil.rmtree(self.paths.root)
                 shutil.rmtree(self.paths.ray_temp_dir, ignore_errors=True)
-        return stopped
+                deleted.append(self.paths.root)
+                outside = postgres.remove_outside(self.paths, state)
+                if outside is not None:
+                    deleted.append(outside)
+        return DownReport(stopped=tuple(stopped), deleted=tuple(deleted))
 
     def _remove_connection(self) -> None:
         try:
@@ -425,6 +439,12 @@ class Stack:
             rows.append(ServiceStatus(name, current, pid, ports, urls, memory.get(name, 0),
                                       uptime, detail))
         return rows
+
+    def postgres_data(self) -> Path:
+        """PostgreSQL's data directory: in the state directory, or where ``up`` recorded it."""
+        state = StackState.load(self.paths.state_file) if self.paths.root.exists() else (
+            StackState())
+        return state.pgdata(self.paths)
 
     def log_file(self, name: str) -> Path:
         """The log of service ``name``.
