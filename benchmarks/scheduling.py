@@ -1,13 +1,14 @@
 """Scheduling policies on a heavy-tailed trace: completion time, waits, utilization, fairness.
 
-Replays one trace (a seeded synthetic one, or ``--trace`` your own cluster's CSV, format in
-``raydeck.scheduling.simulator``) through every policy with the simulator, which drives the
-same policy objects the queue uses, and prints per policy: average and p95 job completion time
-(JCT), average queueing delay, the longest wait, GPU utilization over the replay, Jain's
-fairness index across teams (of their mean slowdown), the top priority's average wait, the
-preemptions, and average JCT as a ratio of FIFO's. FIFO with head-of-line blocking is what a
-shared Ray cluster does today (its job server starts jobs in submission order as resources
-allow). The last row replays priority again with every job checkpointing each
+Replays a seeded synthetic trace and each public trace in ``benchmarks/traces/`` (source,
+licence and conversion in its README; each on its own cluster size), or only ``--trace`` (your
+own cluster's CSV, format in ``raydeck.scheduling.simulator``), through every policy with the
+simulator, which drives the same policy objects the queue uses, and prints per policy: average
+and p95 job completion time (JCT), average queueing delay, the longest wait, GPU utilization
+over the replay, Jain's fairness index across teams (of their mean slowdown), the top priority's
+average wait, the preemptions, and average JCT as a ratio of FIFO's. FIFO with head-of-line
+blocking is what a shared Ray cluster does today (its job server starts jobs in submission order
+as resources allow). The last row replays priority again with every job checkpointing each
 ``--checkpoint-minutes`` of work, so the policy preempts lower priorities for a waiting job.
 
 A second table compares the attained-service policies (``las``, ``gittins``: no estimates, they
@@ -17,8 +18,9 @@ backfill face realistic predictions). Preemptions there cost what they cost a re
 since the last checkpoint and a restart, ``PreemptionCost``); columns: preemptions per job,
 GPU-hours lost to them, and average JCT relative to FIFO and to backfill-SJF with perfect
 estimates. Gittins starts from the service distribution of another seeded trace (the cluster's
-history) and learns from the jobs that finish. Public traces (Philly, Helios, PAI) cannot be
-downloaded here: pass one converted to the trace CSV with ``--trace``.
+history; on a public trace, from nothing) and learns from the jobs that finish. Other public
+traces (Philly, Helios, PAI) were not brought in: pass one converted to the trace CSV with
+``--trace``.
 
 Run: ``.venv/bin/python benchmarks/scheduling.py`` (seconds).
 """
@@ -30,6 +32,7 @@ import dataclasses
 import math
 import random
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from raydeck.scheduling import (
@@ -48,11 +51,29 @@ from raydeck.scheduling.attained_service import service_rate
 
 POLICIES = ("fifo", "priority", "fairshare", "sjf", "backfill", "backfill-sjf")
 COMPARED = ("fifo", "sjf", "backfill-sjf", "las", "gittins")
+TRACES = Path(__file__).parent / "traces"
+
+
+@dataclass(frozen=True)
+class PublicTrace:
+    """A vendored trace replayed by default: its file in ``TRACES``, the GPUs of the cluster
+    it is replayed on, and the work between its jobs' checkpoints (a trace has neither)."""
+
+    file: str
+    gpus: float
+    checkpoint_minutes: float
+
+
+# Tiresias' 60-job example: 26,624 GPU-s offered in its first 30 min (about 15 GPUs' worth),
+# replayed on 8 GPUs so that jobs queue (on 16 almost none waits). Its jobs run 2-30 min: they
+# checkpoint each minute, else none could be preempted.
+PUBLIC_TRACES = (PublicTrace("tiresias_60_job.csv", gpus=8, checkpoint_minutes=1.0),)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trace", type=Path, help="a trace CSV (default: a generated one)")
+    parser.add_argument("--trace", type=Path,
+                        help="a trace CSV (default: a generated one, then the public ones)")
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gpus", type=float, default=16)
@@ -65,24 +86,43 @@ def main() -> None:
                         help="sigma of the log-normal estimate error in the second trace")
     args = parser.parse_args()
 
-    capacity = Resources(cpus=args.cpus, gpus=args.gpus)
-    trace = (read_trace(args.trace) if args.trace else
-             generate_trace(args.jobs, seed=args.seed, gpus=args.gpus, load=args.load))
-    source = args.trace or f"generated: {args.jobs} jobs, seed {args.seed}, load {args.load}"
-    print(f"trace {source}; cluster {args.gpus:g} GPU, {args.cpus:g} CPU; aging bound "
-          f"{args.aging_hours:g} h")
+    aging_s = args.aging_hours * 3600
+    if args.trace:
+        replays = [(str(args.trace), read_trace(args.trace), args.gpus, args.checkpoint_minutes)]
+    else:
+        generated = generate_trace(args.jobs, seed=args.seed, gpus=args.gpus, load=args.load)
+        replays = [(f"generated: {args.jobs} jobs, seed {args.seed}, load {args.load}",
+                    generated, args.gpus, args.checkpoint_minutes),
+                   *((f"public: {p.file}", read_trace(TRACES / p.file), p.gpus,
+                      p.checkpoint_minutes) for p in PUBLIC_TRACES)]
+    history = generate_trace(args.jobs, seed=args.seed + 1, gpus=args.gpus, load=args.load)
+    for source, trace, gpus, checkpoint_minutes in replays:
+        capacity = Resources(cpus=args.cpus, gpus=gpus)
+        print(f"\ntrace {source}; cluster {gpus:g} GPU, {args.cpus:g} CPU; aging bound "
+              f"{args.aging_hours:g} h; a checkpoint each {checkpoint_minutes:g} min of work")
+        checkpointed = [job if job.checkpoint_s else
+                        dataclasses.replace(job, checkpoint_s=checkpoint_minutes * 60)
+                        for job in trace]
+        policies(trace, checkpointed, capacity, aging_s)
+        # Gittins' prior: the generated cluster's history, or nothing on a public trace.
+        services = ([service_rate(job.needs) * job.duration_s for job in history]
+                    if source.startswith("generated") else [])
+        compare(checkpointed, capacity, aging_s, args.estimate_error, args.seed, services)
+
+
+def policies(trace: list[TraceJob], checkpointed: list[TraceJob], capacity: Resources,
+             aging_s: float) -> None:
+    """The first table (module docstring): every policy on ``trace``, then priority with
+    preemption on ``checkpointed``."""
     print(f"{'policy':<16} {'avg JCT':>9} {'p95 JCT':>9} {'avg wait':>9} {'longest':>9} "
           f"{'util':>6} {'Jain':>6} {'top wait':>9} {'preempt':>8} {'JCT/FIFO':>9} "
           f"{'replay':>7}")
-    checkpointed = [job if job.checkpoint_s else
-                    dataclasses.replace(job, checkpoint_s=args.checkpoint_minutes * 60)
-                    for job in trace]
     fifo = None
     for name, jobs in [*((name, trace) for name in POLICIES),
                        ("priority+preempt", checkpointed)]:
         started = time.perf_counter()
-        schedule = simulate(jobs, make_policy(name.removesuffix("+preempt"),
-                                              aging_s=args.aging_hours * 3600), capacity)
+        schedule = simulate(jobs, make_policy(name.removesuffix("+preempt"), aging_s=aging_s),
+                            capacity)
         elapsed = time.perf_counter() - started
         report = Report.of(name, schedule, capacity)
         fifo = fifo or report
@@ -92,10 +132,6 @@ def main() -> None:
               f" {report.utilization:6.2f} {report.fairness:6.3f}"
               f" {report.top_priority_wait_s / 60:8.1f}m {report.preemptions:8d}"
               f" {report.avg_completion_s / fifo.avg_completion_s:9.2f} {elapsed:6.2f}s")
-    history = generate_trace(args.jobs, seed=args.seed + 1, gpus=args.gpus, load=args.load)
-    services = [service_rate(job.needs) * job.duration_s for job in history]
-    compare(checkpointed, capacity, args.aging_hours * 3600, args.estimate_error, args.seed,
-            services)
 
 
 def compare(trace: list[TraceJob], capacity: Resources, aging_s: float, error: float,
@@ -118,7 +154,7 @@ def compare(trace: list[TraceJob], capacity: Resources, aging_s: float, error: f
           f"JCT/ideal: over backfill-sjf with perfect estimates")
     print(f"{'trace':<18} {'policy':<13} {'avg JCT':>9} {'p95 JCT':>9} {'avg wait':>9} "
           f"{'preempt/job':>11} {'GPU-h lost':>10} {'JCT/FIFO':>9} {'JCT/ideal':>9}")
-    for label, jobs in (("generated", trace), (f"estimates x LN({error:g})", noisy)):
+    for label, jobs in (("as is", trace), (f"estimates x LN({error:g})", noisy)):
         fifo = None
         for name in COMPARED:
             report = replay(name, jobs)

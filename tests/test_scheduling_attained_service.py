@@ -3,6 +3,8 @@ cases worked out by hand. Pure Python: no Ray."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from raydeck.errors import ConfigError
@@ -21,6 +23,7 @@ from raydeck.scheduling import (
     TraceJob,
     generate_trace,
     make_policy,
+    read_trace,
     simulate,
 )
 from raydeck.scheduling.attained_service import gittins_index, service_rate
@@ -181,3 +184,14 @@ def test_attained_service_on_a_generated_trace_runs_every_job_within_capacity(
         for _, delta in sorted(events):
             held += delta
             assert held <= capacity.gpus + 1e-6
+
+
+@pytest.mark.timeout(10)
+def test_the_vendored_public_trace_reads_as_converted() -> None:
+    # benchmarks/traces/README.md: Tiresias' 60-job example, 1/2/4/8 GPUs, 121 s to 30 min.
+    trace = read_trace(Path(__file__).parents[1] / "benchmarks" / "traces"
+                       / "tiresias_60_job.csv")
+    assert len(trace) == 60 and trace[0] == TraceJob(
+        "t000", 0.0, 164.0, Resources(cpus=2, gpus=1), "tiresias")
+    assert sorted({job.needs.gpus for job in trace}) == [1, 2, 4, 8]
+    assert min(j.duration_s for j in trace) == 121 and max(j.duration_s for j in trace) == 1800

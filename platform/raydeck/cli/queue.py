@@ -69,8 +69,11 @@ def queue(
     name, entries = listing(settings, server, policy, aging_s, team_specs)
     now = time.time()
     table = Table(title=f"queue (policy {name})")
+    # Attained-service policies (las, gittins) rank by the service a job has had, not by
+    # its expected duration: show that service and where it ranks the job.
+    ranked = any(entry.rank for entry in entries)
     for column in ("#", "job", "team", "by", "prio", "needs", "state", "waited", "expected",
-                   "start", "why"):
+                   *(("service", "rank") if ranked else ()), "start", "why"):
         table.add_column(column, overflow="fold")
     for entry in entries:
         job = entry.job
@@ -79,6 +82,7 @@ def queue(
         table.add_row(str(entry.position or "-"), escape(job.id), job.team,
                       escape(f"{job.user}@{job.host}" if job.user else "-"), str(job.priority),
                       needs, job.state, waited, format_duration(job.estimate_s),
+                      *((entry.service or "-", entry.rank or "-") if ranked else ()),
                       _clock(entry.predicted_start_s),
                       escape(entry.why))
     if not entries:

@@ -56,10 +56,11 @@ class QueueActor:
         url = os.environ.get(DATABASE_URL_ENV) or f"sqlite:///{settings.data_dir / 'queue.db'}"
         tracking = settings.tracking.enabled
         self._jobs = RayJobs(server)
+        history = MlflowHistory(settings.tracking.uri) if tracking else None
         self._queue = JobQueue(
-            Store(url), TimedLauncher(self._jobs), observer=QueueMetrics(),
-            history=MlflowHistory(settings.tracking.uri) if tracking else None,
-            run_finished=MlflowRuns(settings.tracking.uri) if tracking else None)
+            Store(url), TimedLauncher(self._jobs), observer=QueueMetrics(), history=history,
+            run_finished=MlflowRuns(settings.tracking.uri) if tracking else None,
+            cluster=history.cluster if history is not None else None)
         self._stop = threading.Event()
         self._tick_s = tick_s
         threading.Thread(target=self._loop, name="raydeck-queue-tick", daemon=True).start()

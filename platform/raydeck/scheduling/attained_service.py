@@ -34,6 +34,7 @@ import abc
 import bisect
 import math
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -53,9 +54,25 @@ DEFAULT_THRESHOLDS = (3600.0, 36000.0)
 CLUSTER_SAMPLES = 2000
 
 
+class Durations(Protocol):
+    """Where a :class:`Gittins` in the queue reads finished runs' durations (seconds,
+    ascending) without waiting on anything: :class:`raydeck.scheduling.history.CachedHistory`."""
+
+    def runs(self, key: str) -> Sequence[float]:
+        """The job ``key``'s earlier runs."""
+
+    def cluster(self) -> Sequence[float]:
+        """Any job's earlier runs."""
+
+
 def service_rate(needs: Resources) -> float:
     """Service per second of holding ``needs``: its GPUs, or its CPUs when it has none."""
     return needs.gpus if needs.gpus > 0 else needs.cpus
+
+
+def service_unit(needs: Resources) -> str:
+    """What :func:`service_rate` counts: ``GPU`` or ``CPU``."""
+    return "GPU" if needs.gpus > 0 else "CPU"
 
 
 def gittins_index(services: Sequence[float], attained: float) -> float:
@@ -72,9 +89,10 @@ def gittins_index(services: Sequence[float], attained: float) -> float:
     return float(np.max(np.arange(1, len(left) + 1) / np.maximum(used, 1e-9)))
 
 
-class _AttainedService(Policy):
+class AttainedService(Policy):
     """What both policies share: attained service per job, the starvation bound, and
-    preemption by rank (:meth:`rank`: lower goes first)."""
+    preemption by rank (:meth:`rank`: lower goes first; :meth:`describe_rank`, what
+    ``raydeck queue`` shows of it)."""
 
     def __init__(self, aging_s: float = DEFAULT_AGING_S,
                  quotas: Mapping[str, Resources] | None = None) -> None:
@@ -85,6 +103,10 @@ class _AttainedService(Policy):
     @abc.abstractmethod
     def rank(self, job: QueuedJob, attained: float) -> tuple[float, ...]:
         """Where a job with ``attained`` service stands: lower goes first."""
+
+    @abc.abstractmethod
+    def describe_rank(self, job: QueuedJob, attained: float) -> str:
+        """:meth:`rank` in words, for ``raydeck queue``."""
 
     def attained(self, job: QueuedJob, since_s: float | None = None,
                  now: float = 0.0) -> float:
@@ -129,7 +151,7 @@ class _AttainedService(Policy):
         return self.rank(piece.job, self.attained(piece.job, piece.started_s, now))
 
 
-class LeastAttainedService(_AttainedService):
+class LeastAttainedService(AttainedService):
     """Discretized 2D-LAS: queue ``i`` holds jobs whose service passed ``thresholds[:i]``;
     lower queues go first, first come, first served within one."""
 
@@ -152,20 +174,29 @@ class LeastAttainedService(_AttainedService):
     def rank(self, job: QueuedJob, attained: float) -> tuple[float, ...]:
         return (float(self.level(attained)),)
 
+    def describe_rank(self, job: QueuedJob, attained: float) -> str:
+        """``Q<queue> of <queues>`` (Q0 goes first)."""
+        return f"Q{self.level(attained)} of {len(self.thresholds) + 1}"
 
-class Gittins(_AttainedService):
+
+class Gittins(AttainedService):
     """2D-Gittins: the highest Gittins index (:func:`gittins_index`) first, over the
     distribution of the job's own earlier runs when ``history`` has its key (durations in
     seconds, times its service rate), else the cluster's: ``services`` (GPU-seconds of
-    finished jobs) and every job this policy saw finish. Ties go to the least served."""
+    finished jobs) and every job this policy saw finish. Ties go to the least served.
+
+    In the queue, ``durations`` (MLflow's, read by the queue outside its lock) stand behind
+    ``history``: the job key's runs, else the cluster's runs (seconds, times the job's own
+    service rate: a run's GPUs are not in MLflow), else ``services`` as above."""
 
     name = "gittins"
 
     def __init__(self, aging_s: float = DEFAULT_AGING_S,
                  quotas: Mapping[str, Resources] | None = None,
                  history: Mapping[str, Sequence[float]] | None = None,
-                 services: Sequence[float] = ()) -> None:
+                 services: Sequence[float] = (), durations: Durations | None = None) -> None:
         super().__init__(aging_s, quotas)
+        self.durations = durations
         for value in (*services, *(d for runs in (history or {}).values() for d in runs)):
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"a duration or service of {value}: must be a number >= 0")
@@ -175,7 +206,9 @@ class Gittins(_AttainedService):
 
     def distribution(self, job: QueuedJob) -> list[float]:
         """Total services (ascending) ``job``'s is drawn from."""
-        runs = self.history.get(job.key) if job.key else None
+        runs: Sequence[float] | None = self.history.get(job.key) if job.key else None
+        if not runs and self.durations is not None:
+            runs = (self.durations.runs(job.key) if job.key else None) or self.durations.cluster()
         if runs:
             rate = service_rate(job.needs)
             return [rate * duration for duration in runs]
@@ -183,6 +216,11 @@ class Gittins(_AttainedService):
 
     def rank(self, job: QueuedJob, attained: float) -> tuple[float, ...]:
         return (-gittins_index(self.distribution(job), attained), attained)
+
+    def describe_rank(self, job: QueuedJob, attained: float) -> str:
+        """``index <Gittins index> per <GPU or CPU>-h`` (higher goes first)."""
+        index = gittins_index(self.distribution(job), attained) * 3600
+        return f"index {index:.3g} per {service_unit(job.needs)}-h"
 
     def finished(self, job: RunningJob, now: float) -> None:
         served = self._served.get((job.job.id, job.job.submitted_s))

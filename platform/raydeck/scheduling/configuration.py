@@ -15,6 +15,7 @@ from typing import Any
 
 from raydeck.errors import ConfigError
 from raydeck.scheduling import access
+from raydeck.scheduling.attained_service import Durations, Gittins
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.jobspec import TeamsFile
 from raydeck.scheduling.policies import DEFAULT_AGING_S, Policy, RunningJob, make_policy
@@ -28,11 +29,14 @@ REPLAY_S = 48 * 3600.0
 
 
 class QueueConfig:
-    """The configuration in ``store``; ``clock``: the queue's (what ended lately is replayed)."""
+    """The configuration in ``store``; ``clock``: the queue's (what ended lately is replayed);
+    ``durations``: what a ``gittins`` policy ranks by (the queue's MLflow history)."""
 
-    def __init__(self, store: Store, clock: Callable[[], float]) -> None:
+    def __init__(self, store: Store, clock: Callable[[], float],
+                 durations: Durations | None = None) -> None:
         self._store = store
         self._clock = clock
+        self._durations = durations
 
     def teams_file(self) -> TeamsFile:
         return TeamsFile.parse(self._store.setting("teams", {}))
@@ -67,7 +71,9 @@ class QueueConfig:
         teams = self.teams_file().teams.values()
         weights = {t.name: t.weight for t in teams}
         quotas = {t.name: t.quota for t in teams if t.quota is not None}
-        policy = make_policy(self.policy_name(), aging_s, quotas, weights)
+        name = self.policy_name()
+        policy = (Gittins(aging_s, quotas, durations=self._durations) if name == "gittins"
+                  else make_policy(name, aging_s, quotas, weights))
         # Fair share remembers usage: replay what ended lately (older usage has decayed).
         for row in self._store.ended_since(self._clock() - REPLAY_S):
             if row.started_at is not None and row.ended_at is not None:

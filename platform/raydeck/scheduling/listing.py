@@ -1,4 +1,6 @@
-"""What ``raydeck queue`` shows for each job: its place, its predicted start and why it waits.
+"""What ``raydeck queue`` shows for each job: its place, its predicted start and why it waits,
+and under an attained-service policy (``las``, ``gittins``) the service it has had and where
+that ranks it (:func:`service`).
 
 Owns: :class:`Entry`, the explanations (:func:`why_waiting`), the predicted starts (the policy
 replayed by the simulator, :func:`predicted_starts`) and the rule that a strict gang starts
@@ -8,10 +10,12 @@ read: no store, no job server.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from raydeck.errors import ConfigError
+from raydeck.scheduling.attained_service import AttainedService, service_unit
 from raydeck.scheduling.jobspec import Team
 from raydeck.scheduling.policies import (
     Capacity,
@@ -26,23 +30,30 @@ from raydeck.scheduling.store import JobRow, JobView
 
 @dataclass(frozen=True)
 class Entry:
-    """One job in ``raydeck queue``: where it is and why it waits."""
+    """One job in ``raydeck queue``: where it is and why it waits; ``service`` (e.g. ``1.5
+    GPU-h``) and ``rank`` (``Q0 of 3``, ``index 0.5 per GPU-h``): what an attained-service
+    policy ranks it by, empty under the others."""
 
     job: JobView
     position: int | None
     predicted_start_s: float | None
     why: str
+    service: str = ""
+    rank: str = ""
 
 
 def explain(rows: Mapping[str, JobRow], ordered: list[QueuedJob], active: list[JobRow],
             running: list[RunningJob], free: Capacity, claiming: list[QueuedJob],
-            teams: Mapping[str, Team], policy: str, predicted: Mapping[str, float]
-            ) -> list[Entry]:
-    """The started jobs (``active``), then the queued ones (``rows`` by id) in ``ordered``
-    (start order), each with why it waits: its submission's retry, the job it was preempted
-    for, or :func:`why_waiting`; ``predicted``: their predicted starts."""
+            teams: Mapping[str, Team], policy: Policy, predicted: Mapping[str, float],
+            now: float) -> list[Entry]:
+    """The started jobs (``active``, as ``running``), then the queued ones (``rows`` by id) in
+    ``ordered`` (start order), each with why it waits: its submission's retry, the job it was
+    preempted for, or :func:`why_waiting`; ``predicted``: their predicted starts; each with
+    its :func:`service` under ``policy`` at ``now``."""
     entries = [Entry(JobView.of(r), None, r.started_at,
-                     r.reason if r.state == "preempting" else r.state) for r in active]
+                     r.reason if r.state == "preempting" else r.state,
+                     *service(policy, piece.job, piece.started_s, now))
+               for r, piece in zip(active, running, strict=True)]
     for position, job in enumerate(ordered, start=1):
         row = rows[job.id]
         if row.retry_at is not None:  # retries later
@@ -50,11 +61,23 @@ def explain(rows: Mapping[str, JobRow], ordered: list[QueuedJob], active: list[J
         elif row.preempted_for in rows:
             why = f"waits for {row.preempted_for} to start (it was preempted for it)"
         else:
-            why = why_waiting(job, ordered, running, free, claiming, teams, policy)
+            why = why_waiting(job, ordered, running, free, claiming, teams, policy.name)
         if row.preemptions:
             why += f" (preempted {row.preemptions}x; resumes from its checkpoint)"
-        entries.append(Entry(JobView.of(row), position, predicted.get(job.id), why))
+        entries.append(Entry(JobView.of(row), position, predicted.get(job.id), why,
+                             *service(policy, job, None, now)))
     return entries
+
+
+def service(policy: Policy, job: QueuedJob, started_s: float | None, now: float
+            ) -> tuple[str, str]:
+    """The service ``job`` has had (running since ``started_s``, None: queued) at ``now`` and
+    its rank in words, when ``policy`` ranks by attained service; else ``("", "")``."""
+    if not isinstance(policy, AttainedService):
+        return "", ""
+    attained = policy.attained(job, started_s, now)
+    return (f"{attained / 3600:.2f} {service_unit(job.needs)}-h",
+            policy.describe_rank(job, attained))
 
 
 def why_waiting(job: QueuedJob, ordered: list[QueuedJob], running: list[RunningJob],
@@ -85,8 +108,9 @@ def why_waiting(job: QueuedJob, ordered: list[QueuedJob], running: list[RunningJ
 
 def predicted_starts(policy: Policy, ordered: list[QueuedJob], running: list[RunningJob],
                      total: Resources, now: float) -> dict[str, float]:
-    """When each queued job should start: ``policy`` (a copy: the replay charges its usage)
-    replayed with running jobs ending at their estimates and no new arrivals."""
+    """When each queued job should start: a copy of ``policy`` (the replay charges its usage,
+    and the listing shows the service ``policy`` knows) replayed with running jobs ending at
+    their estimates and no new arrivals."""
     from raydeck.scheduling.simulator import TraceJob, simulate
 
     ahead = [TraceJob(r.job.id, now, max(r.expected_end_s - now, 0.0), r.job.needs,
@@ -94,7 +118,7 @@ def predicted_starts(policy: Policy, ordered: list[QueuedJob], running: list[Run
     trace = ahead + [TraceJob(j.id, j.submitted_s, j.estimate_s, j.needs, j.team,
                               j.priority, j.estimate_s) for j in ordered]
     try:
-        schedule = simulate(trace, policy, total, pinned=[a.id for a in ahead])
+        schedule = simulate(trace, copy.deepcopy(policy), total, pinned=[a.id for a in ahead])
     except ConfigError:
         return {}
     pinned = {a.id for a in ahead}

@@ -66,7 +66,7 @@ from raydeck.scheduling import access
 from raydeck.scheduling import preemption_rules as rules
 from raydeck.scheduling.configuration import QueueConfig
 from raydeck.scheduling.failures import Backoff, classify
-from raydeck.scheduling.history import predict
+from raydeck.scheduling.history import CachedHistory, predict
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.jobspec import JobSpec, TeamsFile, admit
 from raydeck.scheduling.launcher import Launcher, Observer
@@ -105,7 +105,8 @@ class JobQueue:
                  observer: Observer | None = None,
                  history: Callable[[str], list[float]] | None = None,
                  backoff: Backoff | None = None,
-                 run_finished: RunFinished | None = None) -> None:
+                 run_finished: RunFinished | None = None,
+                 cluster: Callable[[], list[float]] | None = None) -> None:
         """``history(key)``: how long earlier runs of the job with that key took, newest first
         (MLflow's: :class:`raydeck.scheduling.history.MlflowHistory`); the queue's own record
         of the jobs it ran is used when it has none or fails. It is called without the queue's
@@ -114,12 +115,13 @@ class JobQueue:
         (:class:`~raydeck.scheduling.launcher.TimedLauncher`); the queue never holds its lock
         while one runs. ``run_finished``: whether a job's MLflow run ended FINISHED
         (:class:`~raydeck.scheduling.witness.MlflowRuns`), asked without the lock before a job
-        the job server forgot is run again."""
+        the job server forgot is run again. ``cluster()``: any job's earlier durations
+        (:meth:`~raydeck.scheduling.history.MlflowHistory.cluster`), for ``gittins``."""
         self._store = store
         self._run_finished = run_finished
         self._backoff = backoff or Backoff()
         self._launcher = launcher
-        self._history = history
+        self._history = CachedHistory(history, cluster)  # read by gittins under the lock
         self._clock = clock
         self._observer = observer or Observer()
         # The store's read-decide-write sequences and the policy's state; never held across
@@ -128,7 +130,7 @@ class JobQueue:
         self._ticking = threading.Lock()  # one tick at a time
         self._pruned_at: float | None = None
         self._submitter = Submitter(store, launcher, self._backoff, self._lock)
-        self._config = QueueConfig(store, clock)
+        self._config = QueueConfig(store, clock, self._history)
         self._policy = self._config.policy()
 
     # --- configuration ---------------------------------------------------------------------
@@ -269,10 +271,10 @@ class JobQueue:
         claiming = self._claiming(active, queued, now)
         with self._lock:
             ordered = self._policy.order(queued, running, now)
-            policy = copy.deepcopy(self._policy)  # predictions never charge the live policy
+            policy = copy.deepcopy(self._policy)  # read without the lock below
         predicted = predicted_starts(policy, ordered, running, total, now)
         entries = explain(rows, ordered, active, running, free, claiming, self.teams_file().teams,
-                          policy.name, predicted)
+                          policy, predicted, now)
         entries += [Entry(JobView.of(r), None, None, r.reason) for r in self._store.jobs("failed")
                     if _refused(r) and r.ended_at is not None
                     and now - r.ended_at < REFUSED_SHOWN_S]
@@ -393,6 +395,8 @@ class JobQueue:
         if not queued:
             return []
         active = self._store.jobs(*ACTIVE)
+        if self._policy.name == "gittins":  # outside the lock: MLflow may be slow
+            self._history.refresh(r.key for r in [*queued_rows, *active])
         # Victims stay behind the job they were preempted for while it is queued.
         preempted_for = rules.held_back({r.id: r.preempted_for for r in [*queued_rows, *active]},
                                         {r.id for r in queued_rows})

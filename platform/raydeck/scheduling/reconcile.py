@@ -81,7 +81,7 @@ def queued(row: JobRow) -> QueuedJob:
     gang = (Gang(row.workers, Resources(row.cpus / row.workers, row.gpus / row.workers),
                  row.placement) if row.workers else None)
     return QueuedJob(row.id, row.team, row.priority, Resources(row.cpus, row.gpus),
-                     row.submitted_at, row.estimate_s, gang)
+                     row.submitted_at, row.estimate_s, gang, key=row.key)
 
 
 def running(row: JobRow, now: float) -> RunningJob:

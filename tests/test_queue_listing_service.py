@@ -1,0 +1,86 @@
+"""Issue 28: under an attained-service policy ``raydeck queue`` shows each job's attained
+service and where it ranks the job (its LAS queue, its Gittins index); under the others,
+neither. The real :class:`JobQueue` on the fake job server, its clock set by the test; the
+CLI's table with the queue actor's call answered by that queue."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from raydeck.cli.main import app
+from raydeck.scheduling import client
+from raydeck.scheduling.identity import Identity
+from raydeck.scheduling.listing import Entry
+from raydeck.scheduling.policies import Resources
+from raydeck.scheduling.queue import JobQueue, JobSpec
+from raydeck.scheduling.store import Store
+from tests.fixtures.fake_job_server import FakeJobServer
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _spec(job_id: str) -> JobSpec:
+    # The fake node's 4 CPUs: one job at a time; CPU-only, so service is CPU-seconds.
+    return JobSpec(job_id, "a", 0, "custom", Resources(cpus=4), job_id, "python job.py", {})
+
+
+def _shown(queue: JobQueue) -> dict[str, tuple[str, str]]:
+    return {e.job.id: (e.service, e.rank) for e in queue.listing()}
+
+
+def test_las_shows_each_jobs_service_and_queue_level(tmp_path: Path) -> None:
+    now = [1e6]
+    server = FakeJobServer()
+    queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), server, clock=lambda: now[0])
+    queue.configure(Identity.here(), "las")
+    queue.submit(_spec("long"))
+    assert queue.tick() == ["long"]
+    now[0] += 1000.0  # 4 CPUs x 1000 s: past the first threshold (3600)
+    queue.submit(_spec("new"))
+    assert _shown(queue) == {"long": ("1.11 CPU-h", "Q1 of 3"),
+                             "new": ("0.00 CPU-h", "Q0 of 3")}
+    server.exit(server.submitted[0], 0)
+    assert queue.tick() == ["new"]
+    now[0] += 450.0
+    assert _shown(queue) == {"new": ("0.50 CPU-h", "Q0 of 3")}
+    queue.configure(Identity.here(), "fifo")  # ranks by no service: nothing shown
+    assert _shown(queue) == {"new": ("", "")}
+
+
+def test_gittins_shows_each_jobs_service_and_index(tmp_path: Path) -> None:
+    # Earlier runs of "new" took 100 s: 400 CPU-s, an index of 1/400 per CPU-s (9 per CPU-h).
+    queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), FakeJobServer(),
+                     clock=lambda: 1e6, history=lambda key: [100.0] if key == "new" else [])
+    queue.configure(Identity.here(), "gittins")
+    queue.submit(_spec("new"))
+    queue.submit(_spec("other"))  # no runs anywhere: index 0
+    assert _shown(queue) == {"new": ("0.00 CPU-h", "index 9 per CPU-h"),
+                             "other": ("0.00 CPU-h", "index 0 per CPU-h")}
+
+
+def test_raydeck_queue_shows_the_service_columns_only_for_an_attained_service_policy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1e6]
+    queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), FakeJobServer(),
+                     clock=lambda: now[0])
+    queue.submit(_spec("long"))
+    queue.tick()
+    now[0] += 1000.0
+
+    def listing(settings: object, server: object, policy: str | None, *rest: object
+                ) -> tuple[str, list[Entry]]:  # the queue actor's answer, without Ray
+        if policy is not None:
+            queue.configure(Identity.here(), policy)
+        return queue.policy_name(), queue.listing()
+
+    monkeypatch.setattr(client, "listing", listing)
+    monkeypatch.setenv("COLUMNS", "300")
+    shown = CliRunner().invoke(app, ["queue", "--policy", "las"])
+    assert shown.exit_code == 0, shown.output
+    assert "service" in shown.output and "1.11 CPU-h" in shown.output
+    assert "Q1 of 3" in shown.output
+    shown = CliRunner().invoke(app, ["queue", "--policy", "fifo"])
+    assert shown.exit_code == 0 and "CPU-h" not in shown.output and "long" in shown.output
