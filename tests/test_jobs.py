@@ -153,6 +153,11 @@ def test_raydeck_fills_runtime_envs_from_the_submitting_environment_but_never_se
     mlflow_only = load_runtime_env(REPO / "runtime_envs/cpu.yaml", env={
         "MLFLOW_TRACKING_URI": "http://mlflow.internal:5000"})["env_vars"]
     assert mlflow_only["RAYDECK_TRACKING_URI"] == "http://mlflow.internal:5000"
+    # The MLflow plugin's URIs: raydeck+<backend> names the backend, raydeck:// none.
+    for uri, expected in (("raydeck+http://mlflow.internal:5000", "http://mlflow.internal:5000"),
+                          ("raydeck://", None)):
+        assert load_runtime_env(REPO / "runtime_envs/cpu.yaml", env={
+            "MLFLOW_TRACKING_URI": uri})["env_vars"].get("RAYDECK_TRACKING_URI") == expected
     assert load_runtime_env(REPO / "runtime_envs/cpu.yaml", env={
         **submitting, "MLFLOW_TRACKING_URI": "http://other:5000"}
     )["env_vars"]["RAYDECK_TRACKING_URI"] == "http://mlflow:5000"

@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from raydeck.config import TrackingSettings
+from raydeck.config import TrackingSettings, unwrap_tracking_uri
 from raydeck.errors import ConfigError
 from raydeck.redaction import is_secret_name, redact_text
 from raydeck.stack_connection import MLFLOW_TRACKING_URI_ENV
@@ -116,8 +116,9 @@ def load_runtime_env(path: str | Path, env: Mapping[str, str] | None = None,
     # precedence), so the job logs where the submitting shell points, which is also where
     # `raydeck submit` looks its run up, not where the head's environment happens to point.
     tracking_env = TrackingSettings.env_name("uri")
+    # A raydeck+<backend> URI (the MLflow plugin's) names its backend; raydeck:// names none.
     if not values.get(tracking_env, "").strip() and values.get(MLFLOW_TRACKING_URI_ENV, "").strip():
-        values[tracking_env] = values[MLFLOW_TRACKING_URI_ENV].strip()
+        values[tracking_env] = unwrap_tracking_uri(values[MLFLOW_TRACKING_URI_ENV].strip())
     env_vars: dict[str, str] = {}
     for name, raw in dict(runtime_env.get("env_vars") or {}).items():
         value = str(raw)
