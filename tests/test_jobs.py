@@ -318,10 +318,13 @@ def test_raydeck_submit_runs_the_lightning_job_then_lists_it(
     experiment = f"shell-only-{uuid.uuid4().hex[:6]}"
     shell_uri = ray_head.env["RAYDECK_TRACKING_URI"].replace("127.0.0.1", "localhost")
     assert shell_uri != ray_head.env["RAYDECK_TRACKING_URI"]
+    # Its own Ray namespace: the module's other jobs started a proxy in the default one, which
+    # writes to the head's URI and (rightly) refuses a job configured for another.
     env = {**_clean_env(), **ray_head.client_env, "RAY_ADDRESS": ray_head.gcs_address,
            "MLFLOW_TRACKING_URI": shell_uri, "COLUMNS": "250",
            "RAYDECK_DATA_DIR": ray_head.env["RAYDECK_DATA_DIR"],
-           "RAYDECK_TRACKING_EXPERIMENT": experiment}
+           "RAYDECK_TRACKING_EXPERIMENT": experiment,
+           "RAYDECK_RAY_NAMESPACE": f"shell-{uuid.uuid4().hex[:6]}"}
     model_name = f"lightning-{uuid.uuid4().hex[:6]}"
     done = _raydeck("submit", "jobs/digits_lightning.py", "--runtime-env",
                     "runtime_envs/cpu.yaml", "--preset", "cpu-2", "--run-name", "submitted",
