@@ -129,6 +129,9 @@ def test_the_dashboards_default_port_is_used_only_when_the_gcs_cannot_tell(value
     def unreadable(_gcs: ClusterAddress, _token: Secret | None) -> str:
         raise ClusterUnavailableError("it refused the request")
 
+    def no_session(_client: ClusterAddress) -> str:
+        raise ClusterUnavailableError("its Ray Client session failed")
+
     chosen = ClusterAddress(value, "RAY_ADDRESS")
     tried: list[str] = []
 
@@ -136,15 +139,28 @@ def test_the_dashboards_default_port_is_used_only_when_the_gcs_cannot_tell(value
         tried.append(url)
         return True
 
-    assert resolve_job_server(chosen, read_gcs=unreadable, answers=answers) == (
-        "http://h.example:8265")
+    assert resolve_job_server(chosen, read_gcs=unreadable, read_client=no_session,
+                              answers=answers) == "http://h.example:8265"
     assert tried == ["http://h.example:8265"]
     with pytest.raises(ClusterUnavailableError) as raised:
-        resolve_job_server(chosen, read_gcs=unreadable, answers=lambda _url: False)
+        resolve_job_server(chosen, read_gcs=unreadable, read_client=no_session,
+                           answers=lambda _url: False)
     message = str(raised.value)
     assert message.startswith(f"no Ray job server found for RAY_ADDRESS={value}: ")
     assert "set RAY_API_SERVER_ADDRESS to the cluster's job server" in message
     assert "nothing answers at http://h.example:8265" in message
+
+
+def test_a_ray_client_address_leads_to_the_dashboard_its_session_reports() -> None:
+    asked: list[str] = []
+
+    def session(client: ClusterAddress) -> str:
+        asked.append(client.value)
+        return "10.0.0.5:8300"
+
+    chosen = ClusterAddress("ray://h.example:10001", "RAY_ADDRESS")
+    assert resolve_job_server(chosen, read_client=session) == "http://10.0.0.5:8300"
+    assert asked == ["ray://h.example:10001"]
 
 
 def test_credentials_in_an_address_stay_out_of_the_error() -> None:

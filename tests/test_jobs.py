@@ -72,10 +72,15 @@ def _run_of(client: Any, run_id: str, experiment_name: str = "raydeck") -> Any:
     return runs[0]
 
 
-def _job_info(head: RayHead, submission_id: str) -> Any:
+def _client(head: RayHead) -> Any:
+    """Ray's job client for this head (its dashboard URL, its token)."""
     from raydeck.jobs import JobServer
 
-    return JobServer.from_env(env=head.client_env).client().get_job_info(submission_id)
+    return JobServer.from_env(env=head.client_env).client()
+
+
+def _job_info(head: RayHead, submission_id: str) -> Any:
+    return _client(head).get_job_info(submission_id)
 
 
 def _job_status(head: RayHead, submission_id: str) -> str:
@@ -364,6 +369,23 @@ def test_raydeck_submit_runs_the_lightning_job_then_lists_it(
     row = next(line for line in listed.stdout.splitlines() if submission_id in line)
     assert "SUCCEEDED" in row and run.info.run_id in listed.stdout
     assert "raydeck-probe" not in listed.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ray_address_in_its_ray_client_form_reaches_the_heads_job_server(
+    ray_head: RayHead
+) -> None:
+    """``RAY_ADDRESS=ray://...``: raydeck asks a Ray Client session where the head's dashboard
+    is, so the job commands reach this head, not whatever answers at the dashboard's default
+    port (here the session's own cluster)."""
+    submission_id = f"ray-client-{uuid.uuid4().hex[:8]}"
+    _client(ray_head).submit_job(entrypoint="python -c pass", submission_id=submission_id)
+    env = {**_clean_env(), **ray_head.client_env, "RAY_ADDRESS": ray_head.client_address,
+           "COLUMNS": "250"}
+    listed = _raydeck("jobs", env=env, timeout=120)
+    assert listed.returncode == 0, listed.stdout[-3000:] + listed.stderr[-3000:]
+    assert submission_id in listed.stdout, listed.stdout
 
 
 @pytest.mark.slow

@@ -23,12 +23,12 @@ The job server is the first of these that is set:
 - ``host:port``, a GCS address: the dashboard address the head registered in its GCS (what
   ``ray job submit`` does with such an address). The running stack's GCS address leads to
   its job server without asking.
-- ``ray://host:port``, a Ray Client address: the client server cannot tell where the
-  dashboard is without starting a Ray Client session, so the dashboard's default port on that
-  host is used when something answers there.
+- ``ray://host:port``, a Ray Client address: the dashboard address a Ray Client session there
+  reports (what ``ray.init("ray://...")`` returns as ``dashboard_url``), read in a short-lived
+  subprocess, so this process's Ray state stays untouched.
 
-A GCS that cannot be asked (unreachable from here, refusing the token) also falls back to the
-dashboard's default port on its host when something answers there. Otherwise one
+A GCS or Ray Client server that cannot be asked (unreachable from here, refusing the token)
+falls back to the dashboard's default port on its host when something answers there. Otherwise one
 :class:`~raydeck.errors.ClusterUnavailableError` says why and names ``RAY_API_SERVER_ADDRESS``
 and the URL to set it to.
 """
@@ -40,6 +40,8 @@ import logging
 import os
 import re
 import socket
+import subprocess
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -68,6 +70,16 @@ GCS_READ_TIMEOUT_S = 5.0
 # KV_NAMESPACE_DASHBOARD and DASHBOARD_ADDRESS; ray.dashboard.head writes it at start-up).
 GCS_DASHBOARD_NAMESPACE = b"dashboard"
 GCS_DASHBOARD_KEY = b"dashboard"
+# How long a Ray Client session may take to report its dashboard: a few seconds on an idle
+# head (the client server starts a server process for the session).
+CLIENT_SESSION_TIMEOUT_S = 60.0
+# The client server starts a server process per session, and that start can fail on a loaded
+# head ("Starting Ray client server failed", seen once in the suite); a second session is cheap.
+CLIENT_SESSION_ATTEMPTS = 2
+_CLIENT_DASHBOARD = ("import sys, ray\n"
+                     "context = ray.init(sys.argv[1], logging_level='ERROR')\n"
+                     "print('dashboard=' + (context.dashboard_url or ''))\n"
+                     "ray.shutdown()\n")
 # A GCS (host:port) or Ray Client (ray://host:port) address; IPv6 hosts in brackets.
 _CLUSTER_ADDRESS = re.compile(r"^(?:ray://)?(?P<host>[\w.\-]+|\[[0-9a-fA-F:.]+\]):(?P<port>\d+)/?$")
 _URL_SCHEMES = ("http://", "https://")
@@ -226,12 +238,49 @@ def read_registered_dashboard(gcs: ClusterAddress, token: Secret | None,
     return bytes(reply.value).decode()
 
 
+def read_client_dashboard(client: ClusterAddress,
+                          timeout_s: float = CLIENT_SESSION_TIMEOUT_S) -> str:
+    """The ``host:port`` of the dashboard of the cluster behind Ray Client address ``client``.
+
+    Opens a Ray Client session in a subprocess (Ray's own client, with this process's
+    environment: ``RAY_AUTH_MODE`` and the token variables apply as for any Ray client) and
+    reads the ``dashboard_url`` it reports. A subprocess because a Ray Client session is
+    process-wide state, and because Ray retries an absent server for longer than a command
+    should wait.
+
+    Raises:
+        ClusterUnavailableError: the client server did not answer in ``timeout_s``, refused
+            the session, or reported no dashboard.
+    """
+    unreachable = unreachable_reason(client.host_port)
+    if unreachable:
+        raise ClusterUnavailableError(f"cannot reach it ({unreachable})")
+    failure = ""
+    for attempt in range(1, CLIENT_SESSION_ATTEMPTS + 1):
+        try:
+            done = subprocess.run(
+                [sys.executable, "-c", _CLIENT_DASHBOARD, client.value.strip()],
+                capture_output=True, text=True, timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            raise ClusterUnavailableError(
+                f"no Ray Client session started in {timeout_s:.0f} s") from None
+        found = [line.removeprefix("dashboard=") for line in done.stdout.splitlines()
+                 if line.startswith("dashboard=")]
+        if done.returncode == 0 and found and found[0]:
+            return found[0]
+        failure = redact_url((done.stderr.strip().splitlines() or ["no dashboard reported"])[-1])
+        logger.info("Ray Client session %d of %d at %s failed: %s", attempt,
+                    CLIENT_SESSION_ATTEMPTS, redact_url(client.value), failure)
+    raise ClusterUnavailableError(f"its Ray Client session failed: {failure}")
+
+
 def resolve_job_server(
     chosen: ClusterAddress,
     *,
     stack: stack_connection.StackConnection | None = None,
     token_for: Callable[[str], Secret | None] = lambda _address: None,
     read_gcs: Callable[[ClusterAddress, Secret | None], str] = read_registered_dashboard,
+    read_client: Callable[[ClusterAddress], str] = read_client_dashboard,
     answers: Callable[[str], bool] = lambda url: unreachable_reason(url) is None,
 ) -> str:
     """The job server URL that ``chosen`` leads to (see this module's docstring).
@@ -241,6 +290,8 @@ def resolve_job_server(
         stack: the running stack's connection, whose GCS address maps to its job server.
         token_for: the token to present to a GCS address (``host:port``), if any.
         read_gcs: reads the dashboard a GCS registered (:func:`read_registered_dashboard`).
+        read_client: reads the dashboard a Ray Client session reports
+            (:func:`read_client_dashboard`).
         answers: whether something accepts connections at a URL (the fallback's check).
 
     Raises:
@@ -251,15 +302,14 @@ def resolve_job_server(
         return chosen.value.strip().rstrip("/")
     if stack is not None and chosen.host_port == stack.ray_address:
         return stack.job_server.rstrip("/")
-    if chosen.form == "gcs":
-        try:
-            registered = read_gcs(chosen, token_for(chosen.host_port))
-        except ClusterUnavailableError as exc:
-            reason = f"its dashboard address could not be read from the GCS: {exc}"
-        else:
-            return job_server_from_gcs_record(chosen, registered, is_local_address(chosen.value))
+    where = "the GCS" if chosen.form == "gcs" else "a Ray Client session"
+    try:
+        registered = (read_gcs(chosen, token_for(chosen.host_port)) if chosen.form == "gcs"
+                      else read_client(chosen))
+    except ClusterUnavailableError as exc:
+        reason = f"its dashboard address could not be read from {where}: {exc}"
     else:
-        reason = "a Ray Client address does not say where the dashboard is"
+        return job_server_from_gcs_record(chosen, registered, is_local_address(chosen.host_port))
     fallback = chosen.default_dashboard
     if answers(fallback):
         logger.info("job server for %s=%s: %s, the dashboard's default port (%s)",
