@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.fixtures.mlflow_server import MlflowServer  # noqa: E402
+from tests.fixtures.tracking import measured_tracking_env  # noqa: E402
 
 METRICS_PER_STEP = 10
 
@@ -86,13 +87,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     with tempfile.TemporaryDirectory(prefix="raydeck-bench-") as tmp:
         root = Path(tmp)
-        os.environ.update({
-            "RAYDECK_DATA_DIR": str(root / "data"),
-            "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "0",
-            "RAYDECK_TRACKING_CAPTURE_LOGS": "false",
-            "RAY_AUTH_MODE": "disabled",
-            "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-        })
+        os.environ.update(measured_tracking_env(root / "data"))
         import ray
 
         from raydeck.cluster import job_runtime_env

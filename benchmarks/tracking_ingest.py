@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.fixtures.mlflow_server import MlflowServer  # noqa: E402
 from tests.fixtures.postgres import PostgresServer  # noqa: E402
+from tests.fixtures.tracking import measured_tracking_env  # noqa: E402
 
 REST_POINTS = 300
 BATCH_CALLS = 20
@@ -197,13 +198,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="raydeck-bench-") as tmp:
         root = Path(tmp)
         root.chmod(0o755)  # PostgreSQL runs as the postgres user under root: it must get in
-        os.environ.update({
-            "RAYDECK_DATA_DIR": str(root / "data"),
-            "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "0",
-            "RAYDECK_TRACKING_CAPTURE_LOGS": "false",
-            "RAY_AUTH_MODE": "disabled",
-            "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-        })
+        os.environ.update(measured_tracking_env(root / "data"))
         import ray
 
         from raydeck.cluster import connect, job_runtime_env
