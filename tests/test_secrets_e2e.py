@@ -55,6 +55,8 @@ class Scenario:
     """What the deployment produced: command outputs and every other place to search."""
 
     secrets: dict[str, str]
+    # The S3 prefix set only in the submitting shell of `raydeck submit` (not on the head).
+    submit_prefix: str = ""
     outputs: dict[str, str] = field(default_factory=dict)  # command -> stdout + stderr
     seconds: dict[str, float] = field(default_factory=dict)  # command -> wall time
     # category -> {source: content}
@@ -233,7 +235,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
         "Grafana token": grafana_token,
         "Grafana password": grafana_password,
         "Ray token": head.token_path.read_text().strip(),
-    })
+    }, submit_prefix=f"shell-{tag}")
     scenario.seconds["ray head start"] = time.monotonic() - started
     shell = {**_clean_env(), **settings, **head.client_env, "COLUMNS": "250",
              "RAYDECK_RAY_ADDRESS": head.gcs_address, "RAYDECK_DATA_DIR": str(root / "data"),
@@ -249,7 +251,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
         _run(scenario, "submit", ["submit", "jobs/digits_torch.py", "--runtime-env",
                                   "runtime_envs/cpu.yaml", "--preset", "cpu-1", "--no-check",
                                   "--run-name", "leak-submit", "--", "--epochs", "2"],
-             {**shell, "RAYDECK_DATA_DIR": str(root / "head-data")})
+             {**shell, "RAYDECK_DATA_DIR": str(root / "head-data"),
+              "RAYDECK_S3_PREFIX": scenario.submit_prefix})
         _run(scenario, "jobs", ["jobs"], shell)
         _run(scenario, "demo", ["demo", "--epochs", "3", "--preset", "cpu-1",
                                 "--run-name", "leak-demo"], shell)
@@ -294,6 +297,21 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
     finally:
         head.stop()
         mlflow.stop()
+
+
+def test_an_s3_prefix_set_only_in_the_submitting_shell_reaches_the_job(
+    scenario: Scenario
+) -> None:
+    """`raydeck submit` sends the shell's raydeck settings with the job: its checkpoints land
+    under the prefix the shell set, which the head's environment does not name."""
+    prefix = f"/{scenario.submit_prefix}/"
+    under = [source for source in scenario.sources["storage"]
+             if source.startswith("s3://leak-checkpoints-") and prefix in source]
+    # The submitted run's folder, and nothing else of substance (folder markers aside): the
+    # demo and the sweep, run from a shell without the prefix, wrote elsewhere.
+    assert any(f"{prefix}leak-submit-" in source for source in under), under
+    assert all(f"{prefix}leak-submit-" in source for source in under
+               if not source.endswith("/")), under
 
 
 def test_every_command_ran_and_outputs_were_collected(scenario: Scenario) -> None:
