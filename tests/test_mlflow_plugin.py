@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from raydeck.config import load_settings, unwrap_tracking_uri
+from raydeck.config import load_settings
 from raydeck.tracking.messages import AttachRequest, ProcessInfo
 from raydeck.tracking.router import Control, ProxyConfig, RouterCore
 from raydeck.tracking.run_lookup import Lookup
+from raydeck.tracking_uri import unwrap_tracking_uri
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.tracking import driver_process, metric_steps, read_line_with
 

@@ -59,10 +59,11 @@ _LAZY = {
 # Public submodules, reachable as attributes after a plain ``import raydeck``
 # (``raydeck.checkpointing.restore(...)``) and imported on first use only.
 _SUBMODULES = (
-    "checkpointing", "cluster", "config", "errors", "examples", "integrations", "jobs", "models",
-    "observability", "package_data", "preemption", "redaction", "runtime_env", "scaling",
-    "scheduling", "secrets", "serving", "stack", "stack_connection", "stack_credentials",
-    "storage", "tracking", "training", "tune",
+    "checkpointing", "cluster", "config", "errors", "examples", "integrations", "job_probe",
+    "job_server_address", "jobs", "kuberay", "models", "observability", "package_data",
+    "preemption", "redaction", "runtime_env", "scaling", "scheduling", "secrets", "serving",
+    "stack", "stack_connection", "stack_credentials", "storage", "tracking", "tracking_uri",
+    "training", "tune",
 )
 __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _LAZY)
 

@@ -14,7 +14,7 @@ is ``RAYDECK_TRACKING_URI`` > ``raydeck.toml`` ``[tracking].uri`` > ``MLFLOW_TRA
 (MLflow's variable, which every MLflow user already has) > the stack's > the embedded SQLite
 file. ``MLFLOW_TRACKING_URI`` wins over the stack as ``RAY_ADDRESS`` wins over the stack's Ray
 address: a process told where its server is keeps it. An empty value counts as unset. A
-``raydeck`` MLflow URI (the MLflow plugin's, :func:`unwrap_tracking_uri`) names raydeck's backend:
+``raydeck`` MLflow URI (the MLflow plugin's, :mod:`raydeck.tracking_uri`) names raydeck's backend:
 ``raydeck://`` counts as unset, ``raydeck+http://host`` as ``http://host``.
 :func:`load_settings_with_origins` says which source each value came from (``raydeck config``
 shows it).
@@ -40,6 +40,7 @@ from raydeck.errors import ConfigError
 from raydeck.redaction import redact_env, redact_value
 from raydeck.secrets import Secret
 from raydeck.stack_connection import MLFLOW_TRACKING_URI_ENV, settings_document
+from raydeck.tracking_uri import unwrap_tracking_uri
 
 CONFIG_FILE_ENV = "RAYDECK_CONFIG"
 DEFAULT_CONFIG_FILE = "raydeck.toml"
@@ -56,27 +57,6 @@ RUN_KEY_PATTERN = re.compile(r"^[\w.\-]{1,128}$")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 _URI_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
-# MLflow tracking URIs served by raydeck's MLflow plugin (raydeck.integrations.mlflow_store):
-# ``raydeck://`` is raydeck's configured backend, ``raydeck+<backend URI>`` wraps that backend.
-RAYDECK_URI_SCHEME = "raydeck"
-
-
-def unwrap_tracking_uri(uri: str) -> str:
-    """The backend an MLflow tracking URI names for raydeck.
-
-    Returns ``""`` for ``raydeck://`` (raydeck's own resolution: settings, stack, embedded
-    default), ``<backend>`` for ``raydeck+<backend>`` (``raydeck+http://h:5000`` ->
-    ``http://h:5000``), and any other URI unchanged. So every process that inherits
-    ``MLFLOW_TRACKING_URI=raydeck+...`` (Ray workers, the proxy's actors) resolves one backend.
-    """
-    prefix = RAYDECK_URI_SCHEME + "+"
-    if uri.startswith(prefix):
-        return uri[len(prefix):]
-    if uri.rstrip("/") == f"{RAYDECK_URI_SCHEME}:":
-        return ""
-    return uri
-
-
 def setting(default: Any, doc: str) -> Any:
     """Declare one setting: its default and the line of documentation README shows."""
     return field(default=default, metadata={"doc": doc})

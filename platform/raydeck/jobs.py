@@ -1,9 +1,9 @@
 """Submitting training jobs to a Ray cluster through its job server (as `ray job submit` does).
 
-Owns: reaching the job server with its authentication token, the preflight probe that checks
-the cluster's Python can import raydeck and reads its resources, submission with a run id known
-before the job starts, log streaming, and the job list. Does not
-own what a job does (``jobs/*.py``), the cluster itself, which job server an address leads to
+Owns: reaching the job server with its authentication token, submission with a run id known
+before the job starts, log streaming, and the job list. Does not own the preflight probe that
+checks the cluster's Python can import raydeck (:mod:`raydeck.job_probe`), what a job does
+(``jobs/*.py``), the cluster itself, which job server an address leads to
 (:mod:`raydeck.job_server_address`), or reading the runtime env files of ``runtime_envs/``
 (:mod:`raydeck.runtime_env`).
 
@@ -17,8 +17,9 @@ Three facts of Ray 2.60 shape this module:
   server on this machine (:func:`auth_token`): it belongs to the head started here, and
   sending it to any ``--address`` would hand it to whoever answers there.
 - A job's entrypoint ``python`` is the first ``python`` on the PATH of the process that ran
-  ``ray start``. :func:`probe` runs a tiny job first and says exactly which Python could not
-  import raydeck and how to fix it, instead of a ``No module named 'ray'`` deep in a job log.
+  ``ray start``. :func:`raydeck.job_probe.probe` runs a tiny job first and says exactly which
+  Python could not import raydeck and how to fix it, instead of a ``No module named 'ray'``
+  deep in a job log.
 - Ray fills in ``${NAME}`` in a runtime env's ``env_vars`` on each node from the environment
   ``ray start`` ran with. :func:`~raydeck.runtime_env.load_runtime_env` fills them from the
   *submitting* environment instead, except secrets (secret-named variables, and values that
@@ -36,11 +37,10 @@ import logging
 import os
 import re
 import shlex
-import sys
 import time
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +53,6 @@ from raydeck.stack_connection import token_for
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient
 
-    from raydeck.scaling import NodeResources
 
 logger = logging.getLogger(__name__)
 
@@ -77,9 +76,6 @@ CONTRACT_OPTIONS = {"--preset": "preset", "--run-name": "run_name"}
 METADATA_RUN_ID = "raydeck_run_id"
 METADATA_PRESET = "raydeck_preset"
 METADATA_KIND = "raydeck_kind"
-PROBE_TIMEOUT_S = 300.0
-PROBE_MARKER = "RAYDECK_PROBE="
-PROBE_PYTHON_MARKER = "RAYDECK_PROBE_PYTHON="
 STATUS_POLL_INTERVAL_S = 1.0
 # A head that just started answers "No available agent to submit job" until its dashboard agent
 # registers (seconds); submissions retry that long.
@@ -225,90 +221,6 @@ class JobServer:
         return client
 
 
-# --- the preflight probe --------------------------------------------------------------------
-@dataclass(frozen=True)
-class ClusterProbe:
-    """What the preflight job saw on the cluster."""
-
-    python: str
-    raydeck_version: str
-    ray_version: str
-    node_totals: list[NodeResources] = field(default_factory=list)
-    node_available: list[NodeResources] = field(default_factory=list)
-
-
-PROBE_ENTRYPOINT = "python -c " + shlex.quote(
-    "import sys; print('" + PROBE_PYTHON_MARKER + "' + sys.executable, flush=True); "
-    "from raydeck.jobs import probe_main; probe_main()"
-)
-
-
-def probe_main() -> None:
-    """The probe job's body (runs on the cluster): versions and per-node resources as JSON."""
-    import ray
-
-    from raydeck._version import __version__
-    from raydeck.scaling import cluster_resources
-
-    ray.init(logging_level=logging.WARNING)
-    totals, available = cluster_resources()
-    print(PROBE_MARKER + json.dumps({
-        "python": sys.executable, "raydeck_version": __version__,
-        "ray_version": ray.__version__, "node_totals": totals, "node_available": available,
-    }), flush=True)
-
-
-def _probe_failure(logs: str, address: str) -> str:
-    python_line = re.search(rf"^{re.escape(PROBE_PYTHON_MARKER)}(\S+)$", logs, re.MULTILINE)
-    python = python_line.group(1) if python_line else ""
-    missing = re.search(r"No module named '?([\w.]+)'?", logs)
-    fix = (
-        "start the head (and every worker node) with raydeck's environment first on PATH, e.g. "
-        "`PATH=/path/to/venv/bin:$PATH ray start --head`, or install raydeck and its "
-        "dependencies into the Python `ray start` runs with (py_modules in the runtime env ships "
-        "raydeck's code, not its dependencies)"
-    )
-    if python and missing:
-        return (f"the cluster runs jobs with {python}, which cannot import {missing.group(1)!r} "
-                f"(needed by raydeck); {fix}")
-    if not python:
-        tail = " | ".join(line for line in logs.strip().splitlines()[-3:] if line.strip())
-        return (f"the cluster could not start a Python job (`python` is whatever comes first "
-                f"on the PATH of `ray start` on {address}): {tail[:300] or 'no output'}; {fix}")
-    tail = " | ".join(logs.strip().splitlines()[-3:])
-    return f"the probe job failed on the cluster with {python}: {tail[:400]}"
-
-
-def probe(client: JobSubmissionClient, runtime_env: dict[str, Any], *,
-          timeout_s: float = PROBE_TIMEOUT_S) -> ClusterProbe:
-    """Run a tiny job with ``runtime_env``: can the cluster's Python import raydeck?
-
-    Raises:
-        JobSubmissionError: it cannot (the message names the Python and the fix), or the probe
-            did not finish within ``timeout_s``.
-    """
-    submission_id = f"raydeck-probe-{uuid.uuid4().hex[:8]}"
-    _submit(client, entrypoint=PROBE_ENTRYPOINT, submission_id=submission_id,
-            runtime_env=runtime_env, metadata={METADATA_KIND: "probe"})
-    status = wait_for(client, submission_id, timeout_s)
-    logs = client.get_job_logs(submission_id)
-    found = [line for line in logs.splitlines() if line.startswith(PROBE_MARKER)]
-    if status != "SUCCEEDED" or not found:
-        if status not in TERMINAL_STATUSES:
-            client.stop_job(submission_id)
-            raise JobSubmissionError(
-                f"the preflight job {submission_id} did not finish within {timeout_s:.0f} s "
-                f"(status {status}); is the cluster busy? `ray job logs {submission_id}`"
-            )
-        raise JobSubmissionError(_probe_failure(logs, client.get_address()))
-    answer = json.loads(found[-1][len(PROBE_MARKER):])
-    return ClusterProbe(
-        python=answer["python"], raydeck_version=answer["raydeck_version"],
-        ray_version=answer["ray_version"], node_totals=answer["node_totals"],
-        node_available=answer["node_available"],
-    )
-
-
 # --- submission -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class JobRequest:
@@ -409,13 +321,13 @@ def submitted_metadata(request: JobRequest) -> dict[str, str]:
 
 def submit_job(client: JobSubmissionClient, request: JobRequest) -> str:
     """Submit the job; returns its submission id (``raydeck-<run id>``)."""
-    return _submit(
+    return submit_waiting_for_agent(
         client, entrypoint=request.entrypoint, submission_id=request.submission_id,
         runtime_env=submitted_runtime_env(request), metadata=submitted_metadata(request),
     )
 
 
-def _submit(client: JobSubmissionClient, **job: Any) -> str:
+def submit_waiting_for_agent(client: JobSubmissionClient, **job: Any) -> str:
     """``client.submit_job``, waiting out a head whose job agent is not up yet."""
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:

@@ -18,10 +18,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from raydeck.config import TrackingSettings, unwrap_tracking_uri
+from raydeck.config import TrackingSettings
 from raydeck.errors import ConfigError
 from raydeck.redaction import is_secret_name, redact_text
 from raydeck.stack_connection import MLFLOW_TRACKING_URI_ENV
+from raydeck.tracking_uri import unwrap_tracking_uri
 
 logger = logging.getLogger(__name__)
 

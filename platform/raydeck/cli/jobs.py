@@ -78,6 +78,7 @@ def submit(
     """
     from raydeck.config import RUN_KEY_PATTERN, load_settings
     from raydeck.errors import ConfigError
+    from raydeck.job_probe import probe
     from raydeck.jobs import (
         JobRequest,
         JobServer,
@@ -86,7 +87,6 @@ def submit(
         default_run_name,
         find_run,
         new_run_id,
-        probe,
         stream_logs,
         submit_job,
     )
