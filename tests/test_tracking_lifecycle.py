@@ -92,8 +92,16 @@ def test_a_run_records_how_it_was_made(ray_cluster: None, mlflow_client: Any,
     import raydeck
 
     monkeypatch.setenv("RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S", "1")
+
+    def system_metrics_landed(run_id: str) -> bool:
+        keys = mlflow_client.get_run(run_id).data.metrics
+        return all(any(k.startswith("system/") and k.endswith(suffix) for k in keys)
+                   for suffix in ("/cpu_percent", "/memory_percent"))
+
     with raydeck.get_tracker(run_name="repro") as tracker:
-        time.sleep(2.5)  # two system-metric samples at this test's interval of 1 s
+        # Samples every second at this test's interval; wait until they are in MLflow.
+        wait_until(lambda: system_metrics_landed(tracker.run_id), 60, "system metrics",
+                   interval_s=0.5)
     run = mlflow_client.get_run(tracker.run_id)
     tags = run.data.tags
     assert len(tags["mlflow.source.git.commit"]) == 40
