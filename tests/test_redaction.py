@@ -82,6 +82,37 @@ def test_text_loses_user_info_secret_assignments_and_known_values() -> None:
     assert "RAYDECK_S3_SECRET_ACCESS_KEY=${RAYDECK_S3_SECRET_ACCESS_KEY}" in shown
 
 
+@pytest.mark.parametrize(("text", "shown"), [
+    # Options with their value apart, inside text (an entrypoint raydeck submit echoes).
+    ("python train.py --db-password hunter22 --epochs 3",
+     f"python train.py --db-password {MASK} --epochs 3"),
+    ("train.py --api-key sk-live-abc123 -v", f"train.py --api-key {MASK} -v"),
+    ("--token ${RAY_AUTH_TOKEN}", "--token ${RAY_AUTH_TOKEN}"),
+    ("--password --next", "--password --next"),  # no value: the next option is not one
+    # JSON, Python reprs and YAML keys.
+    ('{"AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG", "region": "us-east-1"}',
+     f'{{"AWS_SECRET_ACCESS_KEY": "{MASK}", "region": "us-east-1"}}'),
+    ("{'password': 'hunter22', 'user': 'bob'}", f"{{'password': '{MASK}', 'user': 'bob'}}"),
+    ('{"token": 12345678}', f'{{"token": {MASK}}}'),
+    ("storage:\n  secret_access_key: wJalrXUtnFEMI\n  region: eu",
+     f"storage:\n  secret_access_key: {MASK}\n  region: eu"),
+    ("{password: hunter22, user: bob}", f"{{password: {MASK}, user: bob}}"),
+    # HTTP headers.
+    ("Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.e30.sig\nAccept: */*",
+     f"Authorization: {MASK}\nAccept: */*"),
+    ("X-Api-Key: abcdef123", f"X-Api-Key: {MASK}"),
+    # URI passwords with any character, written unescaped.
+    ("postgresql://user:pa/ss@db:5432/mlflow", "postgresql://db:5432/mlflow"),
+    ("see http://bob:a/b@c@host:5000/x now", "see http://host:5000/x now"),
+    # Not credentials: ports, @ in paths, times, plain prose.
+    ("http://host:5000/users/@me", "http://host:5000/users/@me"),
+    ("at 12:30 the run ended: status FINISHED", "at 12:30 the run ended: status FINISHED"),
+    ("error: token expired", "error: token expired"),
+])
+def test_every_secret_form_is_masked(text: str, shown: str) -> None:
+    assert redact_text(text, secrets=()) == shown
+
+
 def test_known_secret_values_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RAYDECK_S3_SECRET_ACCESS_KEY", "the-s3-secret-value")
     monkeypatch.setenv("RAYDECK_TRACKING_URI", f"http://bob:{PASSWORD}@127.0.0.1:5000")

@@ -203,7 +203,7 @@ def test_bad_inputs_get_a_400_naming_the_problem_and_the_server_keeps_serving(
                     "row 0, column 0 is 'a' (str)"),
         "no known key": (json.dumps({"rows": [row]}).encode(), "needs exactly one of"),
         "10 MB body": (json.dumps({"inputs": [row] * 40_000}).encode(),
-                       "the limit is 8.4 MB (max_request_bytes)"),
+                       "the limit is 8,388,608 bytes (max_request_bytes)"),
         "ragged records": (json.dumps({"dataframe_records": [{"a": 1}, {"b": 2}]}).encode(),
                            "same columns"),
     }

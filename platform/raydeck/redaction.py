@@ -5,12 +5,14 @@ tables and error lines, log records, runtime envs, run tags and artifacts, the t
 status and errors, ``dashboards push``). Three rules, applied together:
 
 1. **URL user-info** is removed: ``http://bob:pw@host`` shows as ``http://host``, also for
-   ``postgresql://user:pw@db/x`` and inside longer text. A bare token (``https://TOKEN@host``)
-   goes the same way. User-info is a credential even without a password.
+   ``postgresql://user:pw@db/x``, a password holding ``/`` or ``@`` (written unescaped, as
+   people do) and inside longer text. A bare token (``https://TOKEN@host``) goes the same way.
+   User-info is a credential even without a password.
 2. **Secret-named variables** have their values masked (:data:`MASK`): see
    :func:`is_secret_name`. This covers ``NAME=value`` inside text, ``--name=value`` and
-   ``--name value`` on command lines, and ``?token=...`` in URLs. A ``${NAME}`` reference is not a
-   value and stays visible.
+   ``--name value`` (on command lines and inside text), ``?token=...`` in URLs, JSON and YAML
+   keys (``{"AWS_SECRET_ACCESS_KEY": "..."}``, ``password: ...``) and headers
+   (``Authorization: Bearer ...``). A ``${NAME}`` reference is not a value and stays visible.
 3. **Known secret values** found verbatim in text are masked: the values of secret-named
    variables and the passwords of URLs in this process's environment (:func:`secret_values`), so
    a message that quotes a credential in an unexpected shape (a DSN without a scheme, a password
@@ -55,10 +57,23 @@ _ADDRESS_LAST_WORDS = frozenset({"URL", "URI", "ENDPOINT", "ADDRESS", "LOCATION"
 # masking every "true" of a text would garble it.
 _NOT_SECRET_VALUES = frozenset({"true", "false", "yes", "no", "on", "off", "none", "null"})
 _PLACEHOLDER = re.compile(r"\$\{[A-Za-z_][A-Za-z0-9_]*\}")
-# scheme://user-info@ : the user-info runs to the last "@" before the path, a space or a quote.
-_URL_USERINFO = re.compile(r"\b([A-Za-z][A-Za-z0-9+.\-]*://)[^/\s'\"<>]*@")
+# scheme://user-info@. A bare token runs to the last "@" before the path; a password (after
+# "user:") to the last "@" before a space or quote, "/" included, unless what follows the colon is
+# a port ("host:5000/path@x" has no user-info).
+_USERINFO = (r"(?:(?P<user>[^/\s'\"<>@:]*):(?!\d+(?:[/\s'\"<>?#]|$))(?P<password>[^\s'\"<>]*)"
+             r"|(?P<token>[^/\s'\"<>]*))@")
+_URL_USERINFO = re.compile(r"\b(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)" + _USERINFO)
 # NAME=value (also --name=value, ?name=value): the value runs to a space, quote, & or ;.
 _ASSIGNMENT = re.compile(r"(?<![\w.\-])(-{0,2}[A-Za-z_][\w.\-]*)=([^\s'\"&;]+)")
+# --name value: an option and its separate value (which does not start with "-").
+_OPTION_VALUE = re.compile(r"(?<![\w.\-])(--?[A-Za-z][\w.\-]*)([ \t]+)([^\s'\"\-][^\s'\"]*)")
+# "name": "value" / 'name': value (JSON, Python reprs): the value is quoted or runs to , } ].
+_QUOTED_KEY = re.compile(r"(?P<q>[\"'])(?P<name>[A-Za-z_][\w.\-]*)(?P=q)(?P<sep>\s*:\s*)"
+                         r"(?:(?P<vq>[\"'])(?P<quoted>(?:\\.|(?!(?P=vq))[^\\\n])*)(?P=vq)"
+                         r"|(?P<bare>[^\s,}\]\"']+))")
+# name: value (YAML, HTTP headers): the value runs to the end of the line, a , } or ].
+_BARE_KEY = re.compile(r"(?<![\w.\-\"'/])(?P<name>[A-Za-z_][\w.\-]*)(?P<sep>[ \t]*:[ \t]+)"
+                       r"(?P<value>[^\s,}\]\"'][^\n,}\]]*)")
 _CAMEL = re.compile(r"([a-z0-9])([A-Z])")
 
 
@@ -96,13 +111,9 @@ def redact_url(uri: str) -> str:
     ``http://bob:pw@host:5000/x`` -> ``http://host:5000/x``; also without a scheme
     (``bob:pw@host:5000`` -> ``host:5000``), for values that are known to be addresses.
     """
-    scheme, sep, rest = uri.partition("://")
-    if not sep:
-        scheme, rest = "", uri
-    authority, slash, path = rest.partition("/")
-    if "@" in authority:
-        authority = authority.rpartition("@")[2]
-    return _mask_assignments(scheme + sep + authority + slash + path)
+    if "://" in uri:
+        return _mask_assignments(_URL_USERINFO.sub(r"\g<scheme>", uri))
+    return redact_url(f"x://{uri}").removeprefix("x://")
 
 
 def quiet_mlflow_urls(tracking_uri: str) -> None:
@@ -115,21 +126,41 @@ def quiet_mlflow_urls(tracking_uri: str) -> None:
         os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
 
 
-def _mask_assignments(text: str) -> str:
-    def mask(match: re.Match[str]) -> str:
-        name, value = match.group(1), match.group(2)
-        if not is_secret_name(name) or _PLACEHOLDER.fullmatch(value):
-            return match.group(0)
-        return f"{name}={MASK}"
+def _hides(name: str, value: str) -> bool:
+    return is_secret_name(name) and not _PLACEHOLDER.fullmatch(value.strip())
 
-    return _ASSIGNMENT.sub(mask, text)
+
+def _mask_assignments(text: str) -> str:
+    """Rule 2: the values of secret-named assignments, options, keys and headers masked."""
+    def assignment(match: re.Match[str]) -> str:
+        name, value = match.group(1), match.group(2)
+        return f"{name}={MASK}" if _hides(name, value) else match.group(0)
+
+    def option(match: re.Match[str]) -> str:
+        name, gap, value = match.groups()
+        return f"{name}{gap}{MASK}" if _hides(name, value) else match.group(0)
+
+    def quoted_key(match: re.Match[str]) -> str:
+        value = match["quoted"] if match["vq"] else match["bare"]
+        if not _hides(match["name"], value):
+            return match.group(0)
+        quote = match["vq"] or ""
+        return f"{match['q']}{match['name']}{match['q']}{match['sep']}{quote}{MASK}{quote}"
+
+    def bare_key(match: re.Match[str]) -> str:
+        name, sep, value = match["name"], match["sep"], match["value"]
+        return f"{name}{sep}{MASK}" if _hides(name, value) else match.group(0)
+
+    text = _ASSIGNMENT.sub(assignment, text)
+    text = _OPTION_VALUE.sub(option, text)
+    text = _QUOTED_KEY.sub(quoted_key, text)
+    return _BARE_KEY.sub(bare_key, text)
 
 
 def _userinfo_secrets(value: str) -> Iterable[str]:
     """The credential parts of every URL user-info in ``value`` (password, or a bare token)."""
-    for match in re.finditer(r"[A-Za-z][A-Za-z0-9+.\-]*://([^/\s'\"<>]*)@", value):
-        user, colon, password = match.group(1).partition(":")
-        secret = password if colon else user
+    for match in _URL_USERINFO.finditer(value):
+        secret = match["token"] if match["token"] is not None else match["password"]
         yield from {secret, unquote(secret)}
 
 
@@ -164,7 +195,7 @@ def redact_text(text: str, secrets: Iterable[str] | None = None) -> str:
                                                      if len(s) >= MIN_SECRET_CHARS}
     for value in sorted(known, key=len, reverse=True):
         text = text.replace(value, MASK)
-    return _mask_assignments(_URL_USERINFO.sub(r"\1", text))
+    return _mask_assignments(_URL_USERINFO.sub(r"\g<scheme>", text))
 
 
 def redact_value(name: str, value: str) -> str:

@@ -66,20 +66,11 @@ def parse_request(body: bytes, expected: TensorInput, max_bytes: int) -> Parsed:
             ``expected.width`` numbers each.
     """
     if len(body) > max_bytes:
-        raise InputError(f"request body is {len(body) / 1e6:.1f} MB; the limit is "
-                         f"{max_bytes / 1e6:.1f} MB (max_request_bytes): send fewer rows per "
-                         "request")
+        raise too_large(len(body), max_bytes)
     if not body.strip():
         raise InputError(f"empty request body; send JSON with one of {', '.join(FORMATS)}, "
                          f"e.g. {{\"inputs\": [[...{expected.width} numbers...]]}}")
-    try:
-        payload = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"request body is not valid JSON ({exc}); send one of "
-                         f"{', '.join(FORMATS)}") from None
-    if not isinstance(payload, dict):
-        raise InputError(f"request JSON must be an object with one of {', '.join(FORMATS)}, "
-                         f"not {type(payload).__name__}")
+    payload = parse_json_object(body)
     present = [key for key in FORMATS if key in payload]
     if len(present) != 1:
         found = ", ".join(sorted(map(str, payload))) or "no keys"
@@ -88,6 +79,31 @@ def parse_request(body: bytes, expected: TensorInput, max_bytes: int) -> Parsed:
     form = present[0]
     rows = _rows(form, payload[form])
     return Parsed(_validate(rows, expected, form), form)
+
+
+def too_large(size: int, max_bytes: int) -> InputError:
+    """The answer to a body of ``size`` bytes over the ``max_request_bytes`` limit."""
+    return InputError(f"request body is {size:,} bytes; the limit is {max_bytes:,} bytes "
+                      "(max_request_bytes): send fewer rows per request")
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    """The body's JSON object.
+
+    Raises:
+        InputError: not UTF-8 JSON, nested deeper than Python's recursion limit, an integer of
+            more digits than Python converts, or JSON that is not an object.
+    """
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, digits
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise InputError(f"request body is not valid JSON ({detail}); send an object with "
+                         f"one of {', '.join(FORMATS)}") from None
+    if not isinstance(payload, dict):
+        raise InputError(f"request JSON must be an object with one of {', '.join(FORMATS)}, "
+                         f"not {type(payload).__name__}")
+    return payload
 
 
 def _rows(form: str, value: Any) -> list[Any]:

@@ -30,12 +30,15 @@ import numpy as np
 from ray import serve
 
 from raydeck.models import ModelRef, resolve_model_uri
+from raydeck.redaction import redact_text
 from raydeck.serving.protocol import (
     InputError,
     Parsed,
     TensorInput,
+    parse_json_object,
     parse_request,
     predictions_json,
+    too_large,
 )
 
 if TYPE_CHECKING:
@@ -48,6 +51,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 VERSION_HEADER = "x-raydeck-model-version"
+# The longest wait between tries of a version that failed to load transiently.
+RETRY_MAX_S = 60.0
 JSON = "application/json"
 
 
@@ -67,11 +72,18 @@ class LoadedModel:
         return np.asarray(self.model.predict(rows))
 
 
+class HealthCheckFailed(Exception):
+    """A version that loaded but does not predict its own input example: refused for good (until
+    the alias moves), unlike a failure to load, which may pass (see :func:`is_transient`)."""
+
+
 def load(ref: ModelRef, settings: Settings) -> LoadedModel:
     """Load one version and check it predicts its own input example (its health check).
 
     Raises:
-        Exception: whatever loading or predicting raised; the caller keeps its current model.
+        HealthCheckFailed: it loaded, and predicting its input example raised or gave a wrong
+            answer.
+        Exception: whatever loading raised; the caller keeps its current model.
     """
     import mlflow.pyfunc
 
@@ -83,10 +95,43 @@ def load(ref: ModelRef, settings: Settings) -> LoadedModel:
     loaded = LoadedModel(ref, model, TensorInput.from_schema(model.metadata.get_input_schema()))
     example = getattr(model, "input_example", None)
     if example is not None:
-        answer = loaded.predict(np.asarray(example))
+        try:
+            answer = loaded.predict(np.asarray(example))
+        except Exception as exc:
+            raise HealthCheckFailed(f"predicting its input example raised {exc!r}") from exc
         if len(answer) != len(example) or not np.isfinite(answer.astype(float)).all():
-            raise ValueError(f"predicting its input example gave {answer!r}")
+            raise HealthCheckFailed(f"predicting its input example gave {answer!r}")
     return loaded
+
+
+# MLflow's error codes for a server or store that may answer on a later try (its REST client
+# raises INTERNAL_ERROR when the server is unreachable or answers 5xx).
+_TRANSIENT_MLFLOW_CODES = frozenset({"INTERNAL_ERROR", "TEMPORARILY_UNAVAILABLE",
+                                     "REQUEST_LIMIT_EXCEEDED", "DEADLINE_EXCEEDED"})
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether loading may succeed on a later try: the network, a store or MLflow failed
+    (an S3 blip, an MLflow timeout), not the model."""
+    from mlflow.exceptions import MlflowException
+
+    if isinstance(exc, (OSError, TimeoutError)):  # requests' and urllib3's errors are OSErrors
+        return True
+    if isinstance(exc, MlflowException):
+        return exc.error_code in _TRANSIENT_MLFLOW_CODES
+    # boto3's connection, timeout and throttling errors (S3 artifacts).
+    return type(exc).__module__.startswith(("botocore", "urllib3")) and type(exc).__name__ in {
+        "EndpointConnectionError", "ConnectionClosedError", "ReadTimeoutError",
+        "ConnectTimeoutError", "ProxyConnectionError", "ConnectionError", "HTTPClientError"}
+
+
+@dataclass
+class _Retry:
+    """A version whose load failed transiently: when to try again."""
+
+    attempts: int
+    next_at: float
+    reason: str
 
 
 class ModelServer:
@@ -118,6 +163,7 @@ class ModelServer:
                             self._settings)
         self._publish_version()
         self._rejected: dict[str, str] = {}
+        self._retrying: dict[str, _Retry] = {}
         self._stop = threading.Event()
         self.reconfigure(options.user_config())
         if options.follows_alias:
@@ -141,7 +187,9 @@ class ModelServer:
         loaded = self._loaded
         return {"model_uri": self._options.model_uri, "version": loaded.ref.version,
                 "pinned_uri": loaded.ref.pinned_uri, "run_id": loaded.ref.run_id,
-                "max_batch_size": self._max_batch_size, "rejected": dict(self._rejected)}
+                "max_batch_size": self._max_batch_size, "rejected": dict(self._rejected),
+                "retrying": {version: f"attempt {retry.attempts}: {retry.reason}"
+                             for version, retry in self._retrying.items()}}
 
     async def __call__(self, request: Request) -> Response:
         from starlette.responses import Response
@@ -153,11 +201,9 @@ class ModelServer:
         if path != "/invocations" or request.method != "POST":
             return _error(404, f"{request.method} {request.url.path}: this server answers "
                                "POST /invocations and GET /ping, /health, /version")
-        # Read the whole body even when it is too large: a reply before the client finished
-        # sending makes Serve's proxy reset the connection instead of delivering the 400.
-        body = await request.body()
         loaded = self._loaded
         try:
+            body = await _read_body(request, self._options.max_request_bytes)
             if loaded.expected is None:
                 return await self._predict_other(loaded, body)
             parsed = parse_request(body, loaded.expected, self._options.max_request_bytes)
@@ -165,7 +211,9 @@ class ModelServer:
             self._bad_requests.inc(1, self._tags)
             return _error(400, str(exc))
         if self._max_batch_size > 1:
-            predictions, version = await self._predict_batch(parsed)
+            # The batch is predicted by the version this request was validated against, even
+            # when the alias moves while it waits.
+            predictions, version = await self._predict_batch((parsed, loaded))
         else:
             predictions = await asyncio.get_running_loop().run_in_executor(
                 self._executor, loaded.predict, parsed.rows)
@@ -174,14 +222,24 @@ class ModelServer:
                         headers={VERSION_HEADER: version})
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
-    async def _predict_batch(self, requests: list[Parsed]) -> list[tuple[np.ndarray, str]]:
-        """Predict the rows of every queued request in one call; each gets its own rows back."""
-        loaded = self._loaded
-        rows = np.concatenate([r.rows for r in requests])
-        predictions = await asyncio.get_running_loop().run_in_executor(
-            self._executor, loaded.predict, rows)
-        ends = np.cumsum([len(r.rows) for r in requests])
-        return [(part, loaded.version) for part in np.split(predictions, ends[:-1])]
+    async def _predict_batch(self, requests: list[tuple[Parsed, LoadedModel]]
+                             ) -> list[tuple[np.ndarray, str]]:
+        """Predict the rows of every queued request in one call per model version (normally
+        one); each request gets its own rows back, predicted by the version it was validated
+        against."""
+        answers: list[tuple[np.ndarray, str]] = [(np.empty(0), "")] * len(requests)
+        by_version: dict[int, list[int]] = {}
+        for index, (_, loaded) in enumerate(requests):
+            by_version.setdefault(id(loaded), []).append(index)
+        for indices in by_version.values():
+            loaded = requests[indices[0]][1]
+            rows = np.concatenate([requests[i][0].rows for i in indices])
+            predictions = await asyncio.get_running_loop().run_in_executor(
+                self._executor, loaded.predict, rows)
+            ends = np.cumsum([len(requests[i][0].rows) for i in indices])
+            for index, part in zip(indices, np.split(predictions, ends[:-1]), strict=True):
+                answers[index] = (part, loaded.version)
+        return answers
 
     async def _predict_other(self, loaded: LoadedModel, body: bytes) -> Response:
         """A model without a 2-D tensor signature: MLflow's own parsing and schema checks."""
@@ -189,15 +247,14 @@ class ModelServer:
         from mlflow.pyfunc.scoring_server import infer_and_parse_data, predictions_to_json
         from starlette.responses import Response
 
+        payload = parse_json_object(body)
         try:
-            data = infer_and_parse_data(json.loads(body or b"null"),
-                                        loaded.model.metadata.get_input_schema())
+            data = infer_and_parse_data(payload, loaded.model.metadata.get_input_schema())
             predictions = await asyncio.get_running_loop().run_in_executor(
                 self._executor, loaded.model.predict, data)
-        except (json.JSONDecodeError, UnicodeDecodeError, MlflowException) as exc:
+        except MlflowException as exc:
             self._bad_requests.inc(1, self._tags)
-            message = exc.message if isinstance(exc, MlflowException) else str(exc)
-            return _error(400, str(message).splitlines()[0])
+            return _error(400, str(exc.message).splitlines()[0])
         out: list[str] = []
         predictions_to_json(predictions, _Sink(out))
         return Response("".join(out), media_type=JSON,
@@ -211,25 +268,42 @@ class ModelServer:
             except Exception as exc:
                 # The registry is down or the alias was deleted: keep serving what we have.
                 logger.warning("cannot resolve %s (%s); still serving version %s",
-                               self._options.model_uri, exc, self._loaded.version)
+                               self._options.model_uri, _reason(exc), self._loaded.version)
                 continue
-            if ref.version == self._loaded.ref.version or ref.version in self._rejected:
+            retry = self._retrying.get(str(ref.version))
+            if (ref.version == self._loaded.ref.version or ref.version in self._rejected
+                    or (retry is not None and time.monotonic() < retry.next_at)):
                 continue
             self._switch(ref)
 
     def _switch(self, ref: ModelRef) -> None:
+        """Load ``ref`` and swap it in; a transient failure is tried again with backoff (the
+        replicas converge on the alias's version), any other is refused until the alias
+        moves."""
         started = time.perf_counter()
         previous = self._loaded
+        version = str(ref.version)
         try:
             self._loaded = load(ref, self._settings)
         except Exception as exc:
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            self._rejected[str(ref.version)] = reason
+            reason = _reason(exc)
+            if is_transient(exc):
+                attempts = self._retrying[version].attempts + 1 if version in self._retrying else 1
+                delay = min(RETRY_MAX_S, self._options.poll_interval_s * 2 ** attempts)
+                self._retrying[version] = _Retry(attempts, time.monotonic() + delay, reason)
+                logger.warning("%s moved to version %s, which could not be loaded (%s); trying "
+                               "again in %.0f s, still serving version %s",
+                               self._options.model_uri, version, reason, delay,
+                               previous.version)
+                return
+            self._retrying.pop(version, None)
+            self._rejected[version] = reason
             self._updates.inc(1, {**self._tags, "outcome": "rejected"})
             logger.error("%s moved to version %s, which failed its health check (%s); still "
-                         "serving version %s", self._options.model_uri, ref.version, reason,
+                         "serving version %s", self._options.model_uri, version, reason,
                          previous.version)
             return
+        self._retrying.pop(version, None)
         self._updates.inc(1, {**self._tags, "outcome": "switched"})
         self._publish_version()
         logger.info("%s: switched from version %s to %s in %.1f s", self._options.model_uri,
@@ -241,6 +315,32 @@ class ModelServer:
 
     def __del__(self) -> None:
         self._stop.set()
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body, refused once it passes ``max_bytes``: what is over the limit is read
+    (a reply before the client finished sending makes Serve's proxy reset the connection
+    instead of delivering the 400) but not kept.
+
+    Raises:
+        InputError: the body is over ``max_bytes``.
+    """
+    body = bytearray()
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= max_bytes:
+            body += chunk
+    if size > max_bytes:
+        raise too_large(size, max_bytes)
+    return bytes(body)
+
+
+def _reason(exc: BaseException) -> str:
+    """One line naming ``exc``, safe to log and to show on ``/health`` (MLflow's and boto's
+    messages quote URIs, credentials included)."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return redact_text(f"{type(exc).__name__}: {text}")
 
 
 class _Sink:
