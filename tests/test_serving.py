@@ -77,9 +77,9 @@ def _post(url: str, body: bytes, timeout: float = 30) -> tuple[int, dict[str, st
 
 
 def _label(form: str, prediction: Any) -> int:
-    """The class of one prediction, written as MLflow writes it for ``form``."""
-    if form.startswith("dataframe"):
-        return int(np.argmax([prediction[str(i)] for i in range(len(prediction))]))
+    """The class of one prediction: MLflow writes a tensor-signature model's predictions as
+    nested lists for every ``form``."""
+    assert isinstance(prediction, list), (form, prediction)
     return int(np.argmax(prediction))
 
 

@@ -149,7 +149,7 @@ def replica(ray_cluster: None, raydeck_env: dict[str, str], mlflow_client: Any,
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_every_malformed_body_is_a_400_and_the_limit_holds_while_reading(
         replica: dict[str, Any]) -> None:
     server = replica["server"]
@@ -166,7 +166,34 @@ def test_every_malformed_body_is_a_400_and_the_limit_holds_while_reading(
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
+def test_every_form_is_answered_byte_for_byte_as_mlflows_scoring_server_answers(
+        replica: dict[str, Any]) -> None:
+    """MLflow's own scoring code (what ``mlflow models serve`` runs per request: parse, predict
+    with schema enforcement, write) on the same registered version, against the replica."""
+    import io
+
+    import mlflow.pyfunc
+    from mlflow.pyfunc.scoring_server import infer_and_parse_data, predictions_to_json
+
+    model = mlflow.pyfunc.load_model(f"models:/{replica['name']}/1")
+    rows = [[1.0, 2.0], [3.5, -4.25]]
+    columns = ["a", "b"]
+    for payload in ({"dataframe_split": {"columns": columns, "data": rows}},
+                    {"dataframe_records": [dict(zip(columns, row, strict=True))
+                                           for row in rows]},
+                    {"instances": rows}, {"inputs": rows}):
+        body = json.dumps(payload).encode()
+        expected = io.StringIO()
+        predictions_to_json(model.predict(infer_and_parse_data(
+            payload, model.metadata.get_input_schema())), expected)
+        response = asyncio.run(replica["server"](_request(body)))
+        assert response.status_code == 200
+        assert bytes(response.body) == expected.getvalue().encode(), (payload, response.body)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_a_version_that_cannot_load_for_a_while_is_retried_one_that_fails_its_check_is_not(
         replica: dict[str, Any], mlflow_client: Any) -> None:
     from raydeck.models import promote

@@ -3,9 +3,9 @@
 Owns: parsing the four JSON forms ``mlflow models serve`` accepts on ``POST /invocations``
 (``dataframe_split``, ``dataframe_records``, ``instances``, ``inputs``) into one 2-D array checked
 against the model's tensor signature, and writing predictions the way MLflow's scoring server
-does (rows of column records for the DataFrame forms, nested lists for the tensor forms), so its
-clients work unchanged. Every problem with a request is an :class:`InputError` whose message
-names what was wrong and what the model expects: the server answers it with HTTP 400, never 500.
+does for such a model (nested lists, whatever the form), so its clients work unchanged. Every
+problem with a request is an :class:`InputError` whose message names what was wrong and what the
+model expects: the server answers it with HTTP 400, never 500.
 Does not own: HTTP or batching (:mod:`raydeck.serving.server`).
 """
 
@@ -161,14 +161,8 @@ def _validate(rows: list[Any], expected: TensorInput, form: str) -> np.ndarray:
         raise InputError(f"{form}: values do not fit {expected.dtype} ({exc})") from None
 
 
-def predictions_json(predictions: np.ndarray, form: str) -> bytes:
-    """Predictions as MLflow's scoring server writes them for a request of ``form``."""
-    values = np.asarray(predictions)
-    if form in DATAFRAME_FORMATS:
-        # MLflow's pytorch flavor answers a DataFrame with a DataFrame (columns 0..k-1), which
-        # the scoring server writes as records.
-        matrix = values.reshape(len(values), -1)
-        answer: Any = [{str(i): float(v) for i, v in enumerate(row)} for row in matrix.tolist()]
-    else:
-        answer = values.tolist()
-    return json.dumps({"predictions": answer}).encode()
+def predictions_json(predictions: np.ndarray) -> bytes:
+    """Predictions as MLflow's scoring server writes them for a tensor-signature model: MLflow
+    hands such a model every form as an array (schema enforcement converts a DataFrame), so
+    the answer is nested lists for all four forms."""
+    return json.dumps({"predictions": np.asarray(predictions).tolist()}).encode()

@@ -218,7 +218,7 @@ class ModelServer:
             predictions = await asyncio.get_running_loop().run_in_executor(
                 self._executor, loaded.predict, parsed.rows)
             version = loaded.version
-        return Response(predictions_json(predictions, parsed.form), media_type=JSON,
+        return Response(predictions_json(predictions), media_type=JSON,
                         headers={VERSION_HEADER: version})
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
