@@ -297,6 +297,46 @@ def test_ray_job_submit_runs_the_torch_job_with_the_cpu_runtime_env(
     assert run.data.tags["raydeck.checkpoint.latest_epoch"] == str(EPOCHS - 1)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_plain_mlflow_loop_as_a_ray_job_submit_driver_lands_exactly_once(
+    ray_head: RayHead, mlflow_client: Any
+) -> None:
+    from mlflow.entities import ViewType
+
+    def all_run_ids() -> set[str]:
+        experiments = [e.experiment_id for e in mlflow_client.search_experiments(
+            view_type=ViewType.ALL)]
+        return {r.info.run_id for r in mlflow_client.search_runs(
+            experiments, run_view_type=ViewType.ALL, max_results=5000)}
+
+    before = all_run_ids()
+    # MLflow code that knows nothing of raydeck; only its tracking URI says raydeck+.
+    steps = 30
+    run_name = f"mlflow-loop-{uuid.uuid4().hex[:8]}"
+    env_vars = {"MLFLOW_TRACKING_URI": f"raydeck+{ray_head.env['RAYDECK_TRACKING_URI']}"}
+    done = subprocess.run(
+        ["ray", "job", "submit", "--working-dir", "jobs",
+         "--runtime-env-json", json.dumps({"env_vars": env_vars}), "--",
+         "python", "mlflow_loop.py", "--steps", str(steps), "--run-name", run_name],
+        cwd=REPO, env={**_submit_env(ray_head), "PATH": ray_head.env["PATH"]},
+        capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
+    run_id = next(line.split()[1] for line in done.stdout.splitlines()
+                  if line.startswith("RUN "))
+    # end_run returned in the driver: everything is in MLflow, the run ended.
+    run = mlflow_client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"steps": str(steps), "lr": "0.1"}
+    assert run.data.tags["example"] == "mlflow_loop"
+    for key in ("loss", "accuracy"):
+        assert sorted(m.step for m in mlflow_client.get_metric_history(run_id, key)) == list(
+            range(steps))
+    assert run.info.run_name == run_name
+    assert all_run_ids() - before == {run_id}  # the driver's run, no other
+
+
 def _raw_accuracy(mlflow_client: Any, uri: str) -> float:
     """Accuracy of a registered model on the raw validation rows, through MLflow's pyfunc only."""
     import mlflow

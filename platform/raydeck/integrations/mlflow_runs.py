@@ -12,8 +12,13 @@ and the rule that decides what ``mlflow.start_run()`` (the store's ``create_run`
   MLflow creates it (experiment, name, tags, user, start time), then attached to by its MLflow
   run id, so every process that writes to that id (``MlflowClient`` in actors too) joins one
   proxy run.
-- A write or ``start_run(run_id=...)`` for a run id this process has not bound attaches to that
-  existing MLflow run.
+- ``start_run(run_id=...)`` for a run id this process has not bound attaches to that existing
+  MLflow run, as its own.
+- A write by id alone (``MlflowClient().log_batch(run_id, ...)`` in a Ray actor, say) to a run
+  this process neither created nor started is a guest write: it attaches to that run too, but
+  returns only once the proxy holds the values (spooled, durable), as plain MLflow returns only
+  once the server has them. Nothing ever ends a guest's part in the run, so its process may
+  exit (or be killed) right after the call; a buffer flushed later would be lost with it.
 
 Does not own the MLflow store interface (:mod:`raydeck.integrations.mlflow_store`) nor any
 delivery: writes go through :class:`~raydeck.tracking.Tracker`, the same client raydeck's own
@@ -25,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mlflow.entities import RunTag, ViewType
@@ -61,6 +67,7 @@ class PluginRuns:
         self._backend = backend
         self._lock = threading.Lock()
         self._trackers: dict[str, Tracker] = {}
+        self._guest_run_ids: set[str] = set()
 
     def create(self, experiment_id: str, user_id: str | None, start_time: int | None,
                tags: list[RunTag], run_name: str | None) -> Any:
@@ -74,7 +81,7 @@ class PluginRuns:
         process = detect_process()
         if not (process.train_run_name or process.trial_id or self._settings.run_id):
             run = self._backend.create_run(experiment_id, user_id, start_time, tags, run_name)
-            self.tracker(run.info.run_id)
+            self.start(run.info.run_id)
             return run
         # The caller's MLflow experiment, for a run this call creates (a run that exists, e.g.
         # made by a raydeck driver, keeps its own).
@@ -94,12 +101,32 @@ class PluginRuns:
         return self._backend.get_run(run_id)
 
     def tracker(self, run_id: str) -> Tracker:
-        """The tracker for ``run_id``: bound here already, or attached to that MLflow run now."""
+        """The tracker for ``run_id``: bound here already, or attached to that MLflow run now
+        as a guest (see the module docstring)."""
         with self._lock:
             tracker = self._trackers.get(run_id)
             if tracker is None:
                 tracker = self._trackers[run_id] = get_tracker(run_id, settings=self._settings)
+                self._guest_run_ids.add(run_id)
             return tracker
+
+    def start(self, run_id: str) -> Tracker:
+        """The tracker for ``run_id``, which this process started (``start_run``) or resumed
+        (``start_run(run_id=...)``): its writes are buffered, and ``end`` waits for them."""
+        tracker = self.tracker(run_id)
+        with self._lock:
+            self._guest_run_ids.discard(run_id)
+        return tracker
+
+    def write(self, run_id: str, write: Callable[[Tracker], None]) -> None:
+        """Apply ``write`` to ``run_id``'s tracker; a guest write returns once the proxy holds
+        it (see the module docstring)."""
+        tracker = self.tracker(run_id)
+        write(tracker)
+        with self._lock:
+            guest = run_id in self._guest_run_ids
+        if guest:
+            tracker.flush()
 
     def end(self, run_id: str, status: str) -> bool:
         """End ``run_id``'s tracker with ``status``: send everything and wait until it is in
@@ -113,6 +140,7 @@ class PluginRuns:
         """
         with self._lock:
             tracker = self._trackers.pop(run_id, None)
+            self._guest_run_ids.discard(run_id)
         if tracker is None:
             tracker = get_tracker(run_id, settings=self._settings)
         try:

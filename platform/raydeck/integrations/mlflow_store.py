@@ -118,7 +118,7 @@ class RaydeckStore(AbstractStore):
         if status in TERMINAL_STATUSES:
             landed = self._runs.end(run_id, status)
         elif status:
-            self._runs.tracker(run_id)
+            self._runs.start(run_id)
         if landed:
             info: RunInfo = self.backend.get_run(run_id).info
             return info
@@ -166,11 +166,13 @@ class RaydeckStore(AbstractStore):
                    models: list[Any] | None = None) -> None:
         """Datasets go through the run's tracker; model inputs to the backend directly."""
         if datasets:
-            tracker = self._runs.tracker(run_id)
-            for dataset_input in datasets:
-                tags = {t.key: t.value for t in dataset_input.tags}
-                context = tags.pop(MLFLOW_DATASET_CONTEXT, None)
-                tracker.log_input(_DatasetEntity(dataset_input.dataset), context, tags)
+            def write(tracker: Any) -> None:
+                for dataset_input in datasets:
+                    tags = {t.key: t.value for t in dataset_input.tags}
+                    context = tags.pop(MLFLOW_DATASET_CONTEXT, None)
+                    tracker.log_input(_DatasetEntity(dataset_input.dataset), context, tags)
+
+            self._write(run_id, write)
         if models:
             self.backend.log_inputs(run_id, models=models)
 
@@ -192,7 +194,7 @@ class RaydeckStore(AbstractStore):
 
     def _write(self, run_id: str, write: Callable[[Any], None]) -> None:
         try:
-            write(self._runs.tracker(run_id))
+            self._runs.write(run_id, write)
         except TrackingValidationError as exc:
             raise MlflowException(str(exc), INVALID_PARAMETER_VALUE) from exc
 

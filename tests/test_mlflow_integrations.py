@@ -1,0 +1,182 @@
+"""MLflow's own integrations, unchanged but for a ``raydeck+`` tracking URI, against a real
+MLflow server: Lightning's ``MLFlowLogger`` in a 2-worker Ray Train job, Ray Tune's
+``MLflowLoggerCallback`` and ``setup_mlflow`` in an ASHA sweep, ``MlflowClient().log_batch`` from
+Ray actors, and a plain ``mlflow.log_metric`` loop (``jobs/mlflow_loop.py``) while its MLflow
+server is SIGKILLed. Every metric, param and tag lands once at its step, each run ends with the
+right status, and no stray run appears (counted through MLflow's REST API). The integrations'
+code is in :mod:`tests.fixtures.mlflow_integrations`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures import mlflow_integrations as integrations
+from tests.fixtures.mlflow_server import MlflowServer
+from tests.fixtures.processes import wait_until
+from tests.fixtures.tracking import (
+    driver_process,
+    metric_steps,
+    read_line_with,
+    start_isolated_server,
+)
+
+RUN_END_TIMEOUT_S = 60.0
+
+
+def _runs(client: Any, experiment: str) -> list[Any]:
+    from mlflow.entities import ViewType
+
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    return list(client.search_runs([found.experiment_id], run_view_type=ViewType.ALL))
+
+
+@pytest.fixture(scope="module")
+def killable_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """An MLflow server these tests may kill (never the session's)."""
+    server = start_isolated_server(tmp_path_factory.mktemp("killable"))
+    yield server
+    server.stop()
+
+
+def _assert_once_each(client: Any, run_id: str, key: str, steps: list[int]) -> None:
+    assert metric_steps(client, run_id, key) == steps, key
+
+
+@pytest.mark.timeout(600)
+def test_lightning_mlflow_logger_in_a_ray_train_job_logs_one_run(
+        ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any,
+        tmp_path: Path) -> None:
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    experiment = f"lightning-{uuid.uuid4().hex[:6]}"
+    epochs = 2
+    TorchTrainer(integrations.lightning_train_loop,
+                 train_loop_config={"uri": f"raydeck+{mlflow_server.uri}",
+                                    "experiment": experiment, "epochs": epochs},
+                 scaling_config=ScalingConfig(num_workers=2),
+                 run_config=RunConfig(name=experiment, storage_path=str(tmp_path))).fit()
+    runs = _runs(mlflow_client, experiment)
+    assert len(runs) == 1, [(r.info.run_id, r.info.run_name) for r in runs]
+    run = mlflow_client.get_run(runs[0].info.run_id)
+    wait_until(lambda: mlflow_client.get_run(run.info.run_id).info.status == "FINISHED",
+               RUN_END_TIMEOUT_S, "the Lightning run to end")
+    run_id = run.info.run_id
+    # Each worker sees half the samples: 2 batches per epoch, one global step per batch.
+    steps_per_epoch = integrations.LIGHTNING_SAMPLES // integrations.LIGHTNING_BATCH_SIZE // 2
+    # Every step of rank 0 once; validation at each epoch's last step; hparams once.
+    _assert_once_each(mlflow_client, run_id, "train_loss", list(range(steps_per_epoch * epochs)))
+    _assert_once_each(mlflow_client, run_id, "val_loss",
+                      [steps_per_epoch * (e + 1) - 1 for e in range(epochs)])
+    assert run.data.params["lr"] == str(integrations.LEARNING_RATE)
+    assert run.data.tags["raydeck.run_key"] == experiment
+
+
+@pytest.mark.timeout(300)
+def test_tune_mlflow_callback_and_setup_mlflow_in_an_asha_sweep(
+        ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any,
+        tmp_path: Path) -> None:
+    experiment = f"tune-{uuid.uuid4().hex[:6]}"
+    proc = driver_process("\n".join([
+        "import runpy, sys",
+        f"sys.argv = ['x', 'sweep', 'raydeck+{mlflow_server.uri}', '{experiment}', "
+        f"'{tmp_path}']",
+        "runpy.run_module('tests.fixtures.mlflow_integrations', run_name='__main__')",
+    ]))
+    trials = json.loads(read_line_with(proc, "RESULT"))
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:] if proc.stderr else ""
+    assert len(trials) == 2
+    runs = _runs(mlflow_client, experiment)
+    # Per trial: the callback's run (made on the driver, named for the trial) and the run the
+    # trial's setup_mlflow started, bound to raydeck's run of that trial process. Nothing else.
+    assert len(runs) == 4, [(r.info.run_name, r.data.tags) for r in runs]
+    for trial in trials:
+        iterations = trial["iterations"]
+        callback_run, = (r for r in runs if r.info.run_name.endswith(trial["trial_id"]))
+        # The callback logs each reported result at its training_iteration, and ends the run.
+        _assert_once_each(mlflow_client, callback_run.info.run_id, "loss",
+                          list(range(1, iterations + 1)))
+        assert callback_run.data.params["lr"] == str(trial["lr"])
+        assert callback_run.info.status == "FINISHED"
+        trial_run, = (r for r in runs if r.data.tags.get("raydeck.created_by") == "trial"
+                      and r.data.params["lr"] == str(trial["lr"]))
+        _assert_once_each(mlflow_client, trial_run.info.run_id, "trial_loss",
+                          list(range(iterations)))
+        # Nothing in the trial ends setup_mlflow's run (plain MLflow leaves it RUNNING): raydeck
+        # ends it when Tune stops the trial's process.
+        wait_until(lambda r=trial_run: mlflow_client.get_run(r.info.run_id).info.status
+                   == "KILLED", RUN_END_TIMEOUT_S, "the trial's run to end")
+
+
+@pytest.mark.timeout(120)
+def test_mlflow_client_log_batch_from_ray_actors_lands_once(
+        ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any) -> None:
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    uri = f"raydeck+{mlflow_server.uri}"
+    client = MlflowClient(tracking_uri=uri)
+    experiment = f"actors-{uuid.uuid4().hex[:6]}"
+    experiment_id = client.create_experiment(experiment)
+    run_id = client.create_run(experiment_id, run_name="actors").info.run_id
+    actor_class = ray.remote(num_cpus=0)(integrations.BatchLogger)
+    actors = [actor_class.remote(uri) for _ in range(3)]
+    keys = [f"actor_{i}" for i in range(len(actors))]
+    ray.get([actor.log.remote(run_id, key) for actor, key in zip(actors, keys, strict=True)],
+            timeout=60)
+    del actors
+    client.set_terminated(run_id)
+    wait_until(lambda: mlflow_client.get_run(run_id).info.status == "FINISHED",
+               RUN_END_TIMEOUT_S, "the actors' run to end")
+    for key in keys:
+        _assert_once_each(mlflow_client, run_id, key, list(range(integrations.ACTOR_STEPS)))
+    assert [r.info.run_id for r in _runs(mlflow_client, experiment)] == [run_id]
+
+
+@pytest.mark.timeout(240)
+def test_a_plain_mlflow_loop_keeps_every_point_while_mlflow_is_sigkilled(
+        ray_cluster: None, killable_mlflow: MlflowServer, tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from raydeck.tracking.proxy import stop_proxy
+
+    client = MlflowClient(killable_mlflow.uri)
+    # One step a tenth of a second (training, simulated): MLflow is down from step 20 until the
+    # loop ends, about 18 s.
+    steps, down_at_step = 200, 20
+    namespace = f"raydeck-test-{uuid.uuid4().hex[:8]}"  # a proxy of its own for this server
+    proc = driver_process(
+        "import runpy, sys\n"
+        f"sys.argv = ['mlflow_loop.py', '--steps', '{steps}', '--step-time-s', '0.1']\n"
+        "runpy.run_path('jobs/mlflow_loop.py', run_name='__main__')\n",
+        env={"MLFLOW_TRACKING_URI": f"raydeck+{killable_mlflow.uri}",
+             "RAYDECK_RAY_NAMESPACE": namespace, "RAYDECK_DATA_DIR": str(tmp_path)})
+    try:
+        run_id = read_line_with(proc, "RUN")
+        read_line_with(proc, f"STEP {down_at_step}")
+        killable_mlflow.kill()
+        read_line_with(proc, "LOOPED")  # the loop never waited on MLflow
+        killable_mlflow.start()
+        read_line_with(proc, "ENDED")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if not killable_mlflow.alive():
+            killable_mlflow.start()
+        proc.kill()
+        stop_proxy(namespace, 60)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"steps": str(steps), "lr": "0.1"}
+    assert run.data.tags["example"] == "mlflow_loop"
+    for key in ("loss", "accuracy"):
+        _assert_once_each(client, run_id, key, list(range(steps)))
+    assert [r.info.run_id for r in _runs(client, "Default")] == [run_id]
