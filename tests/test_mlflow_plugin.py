@@ -7,6 +7,7 @@ Counts are read back through the real MLflow server's REST API (the session's se
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 from typing import Any
@@ -44,9 +45,21 @@ def test_raydeck_uris_name_their_backend_in_raydecks_settings() -> None:
         "sqlite:")
 
 
+def test_proxied_artifact_locations_resolve_against_a_raydeck_uris_backend() -> None:
+    """MLflow resolves ``mlflow-artifacts:`` against the tracking URI and accepts only http(s);
+    raydeck's repository (entry point ``mlflow.artifact_repository``) gives it the backend."""
+    from mlflow.store.artifact.artifact_repository_registry import get_artifact_repository
+
+    location = "mlflow-artifacts:/1/abc/artifacts"
+    served = "http://h:5000/api/2.0/mlflow-artifacts/artifacts/1/abc/artifacts"
+    for tracking_uri in ("raydeck+http://h:5000", "http://h:5000"):
+        assert get_artifact_repository(location, tracking_uri=tracking_uri).artifact_uri == served
+
+
 @pytest.mark.timeout(120)
 def test_plain_mlflow_loop_in_a_python_script_lands_exactly_once(
-        ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any) -> None:
+        ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any,
+        tmp_path: Path) -> None:
     before = {r.info.run_id for r in _all_runs(mlflow_client)}
     proc = driver_process(f"""
         import mlflow
@@ -58,6 +71,9 @@ def test_plain_mlflow_loop_in_a_python_script_lands_exactly_once(
             for step in range({STEPS}):
                 for key in {KEYS!r}:
                     mlflow.log_metric(key, step / 10, step=step)
+            # The server proxies artifacts (mlflow-artifacts:/ locations): MLflow resolves them
+            # against the tracking URI, here a raydeck+ one.
+            mlflow.log_dict({{"layers": 2}}, "config/model.json")
         print("ENDED", flush=True)
         """, env={"MLFLOW_TRACKING_URI": f"raydeck+{mlflow_server.uri}"})
     run_id = read_line_with(proc, "RUN")
@@ -69,6 +85,9 @@ def test_plain_mlflow_loop_in_a_python_script_lands_exactly_once(
     assert run.info.run_name == "plain-loop"
     assert run.data.params == {"lr": "0.1", "layers": "2"}
     assert run.data.tags["team"] == "vision"
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:")
+    local = mlflow_client.download_artifacts(run_id, "config/model.json", str(tmp_path))
+    assert json.loads(Path(local).read_text()) == {"layers": 2}
     for key in KEYS:
         history = mlflow_client.get_metric_history(run_id, key)
         assert sorted((m.step, m.value) for m in history) == [

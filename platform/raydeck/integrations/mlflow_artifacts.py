@@ -1,0 +1,34 @@
+"""MLflow's proxied-artifacts repository (``mlflow-artifacts:`` locations) under raydeck's
+tracking URIs.
+
+A run on an ``mlflow server`` that serves artifacts (``--artifacts-destination``) stores its
+artifacts at ``mlflow-artifacts:/...``, and MLflow resolves that location against the tracking
+URI, accepting only ``http(s)://``: with ``MLFLOW_TRACKING_URI=raydeck+http://h:5000``,
+``mlflow.log_artifact`` (and autolog's model summaries, ``log_model``) raised "the tracking URI
+must be a valid http or https URI". This package registers :class:`RaydeckArtifactsRepository`
+under MLflow's ``mlflow.artifact_repository`` entry point for the ``mlflow-artifacts`` scheme
+(``pyproject.toml``): MLflow's own repository, given the backend a raydeck URI names. Any other
+tracking URI passes through unchanged, so plain MLflow code in the same environment behaves as
+before. Artifacts still go to the server directly and synchronously, as plain MLflow's do
+(``docs/mlflow-plugin.md``).
+"""
+
+from __future__ import annotations
+
+from mlflow.store.artifact.mlflow_artifacts_repo import MlflowArtifactsRepository
+from mlflow.tracking._tracking_service.utils import get_tracking_uri
+
+from raydeck.integrations.mlflow_store import backend_settings
+from raydeck.tracking_uri import RAYDECK_URI_SCHEME
+
+
+class RaydeckArtifactsRepository(MlflowArtifactsRepository):
+    """MLflow's ``mlflow-artifacts:`` repository, resolved against the backend of a raydeck
+    tracking URI (``raydeck://``: raydeck's configured backend)."""
+
+    def __init__(self, artifact_uri: str, tracking_uri: str | None = None,
+                 registry_uri: str | None = None) -> None:
+        uri = tracking_uri or get_tracking_uri()
+        if uri.startswith(RAYDECK_URI_SCHEME):
+            uri = backend_settings(uri).tracking.uri
+        super().__init__(artifact_uri, tracking_uri=uri, registry_uri=registry_uri)
