@@ -452,6 +452,55 @@ def test_the_queue_dashboard_has_data_for_every_panel(cluster: Cluster) -> None:
     assert not cluster.prometheus.unexported(queue, 1800)
 
 
+# Issue 28: a short job preempts a long one by attained service (las), not by priority.
+LAS_EPOCHS = 20
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_under_las_a_short_job_preempts_a_long_one_past_its_threshold_and_finishes_first(
+        cluster: Cluster, mlflow_client: Any) -> None:
+    """Same priority, same team: only attained service tells them apart. The long digits job
+    (8 CPUs) passes the first threshold (16 CPU-seconds) within 2 s of running; the short job
+    queued behind it stays below it, so at the long job's next checkpoint after its first it
+    is stopped, the short job runs and finishes, and the long job resumes in its MLflow run,
+    each epoch logged once."""
+    shown = _ok(cluster.cli("queue", "--policy", "las", "--thresholds", "16s,1h"))
+    assert "policy las" in shown and "thresholds 16s,1h GPU-time" in shown, shown
+    cluster.digits("las-long", "d8", "c", 0, LAS_EPOCHS)
+    _ok(cluster.submit("las-short", "c1", 1, "c"))  # 1 CPU for 1 s: stays under 16 CPU-s
+    queued_at = time.time()
+    _explained(cluster, lambda: _ended(cluster, "raydeck-las-long"), 240,
+               "the long job to stop at a checkpoint", "raydeck-las-long", "raydeck-las-short")
+    stopped = _job_info(cluster, "raydeck-las-long")
+    assert stopped.status.value == "FAILED" and "75" in (stopped.message or ""), stopped
+    _explained(cluster, lambda: _ended(cluster, "raydeck-las-long-r1"), 300,
+               "the long job to resume and end", "raydeck-las-long-r1", "raydeck-las-short")
+
+    resumed, short = (_job_info(cluster, f"raydeck-{job}") for job in ("las-long-r1",
+                                                                        "las-short"))
+    assert resumed.status.value == "SUCCEEDED" and short.status.value == "SUCCEEDED"
+    # The short job ran in the room the long one freed and ended before it resumed.
+    assert stopped.end_time <= short.start_time and short.end_time <= resumed.start_time
+    run = _run_of(mlflow_client, "las-long")
+    tags = run.data.tags
+    assert run.info.status == "FINISHED" and tags["raydeck.preemptions"] == "1", tags
+    stopped_epoch = int(tags["raydeck.preemption.1"].removeprefix("stopped after epoch "))
+    # Told at a checkpoint after its first (a job without one is never a victim).
+    assert 1 <= stopped_epoch < LAS_EPOCHS - 1, stopped_epoch
+    assert tags["raydeck.checkpoint.resumed_from_epoch"] == str(stopped_epoch)
+    history = mlflow_client.get_metric_history(run.info.run_id, "val_accuracy")
+    assert sorted(point.step for point in history) == list(range(LAS_EPOCHS))
+    steps = sorted(history, key=lambda point: point.step)
+    epoch_s = (steps[stopped_epoch].timestamp - steps[0].timestamp) / 1000 / stopped_epoch
+    print(f"\nlas preemption: the long job stopped {stopped.end_time / 1000 - queued_at:.1f} s "
+          f"after the short one was queued (after epoch {stopped_epoch} of {LAS_EPOCHS}, "
+          f"{epoch_s:.2f} s an epoch); the short one started "
+          f"{(short.start_time - stopped.end_time) / 1000:.1f} s after the stop; the long one "
+          f"resumed {(resumed.start_time - short.end_time) / 1000:.1f} s after it ended "
+          f"({(resumed.start_time - stopped.end_time) / 1000:.1f} s after its stop)")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_a_head_restart_loses_no_job_and_reruns_what_died_with_it(cluster: Cluster) -> None:

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from raydeck.cli.main import app
 from raydeck.scheduling import client
+from raydeck.scheduling.configuration import ConfigChange
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.listing import Entry
 from raydeck.scheduling.policies import Resources
@@ -70,11 +71,10 @@ def test_raydeck_queue_shows_the_service_columns_only_for_an_attained_service_po
     queue.tick()
     now[0] += 1000.0
 
-    def listing(settings: object, server: object, policy: str | None, *rest: object
+    def listing(settings: object, server: object, change: ConfigChange
                 ) -> tuple[str, list[Entry]]:  # the queue actor's answer, without Ray
-        if policy is not None:
-            queue.configure(Identity.here(), policy)
-        return queue.policy_name(), queue.listing()
+        queue.configure(Identity.here(), change.policy)
+        return queue.describe(), queue.listing()
 
     monkeypatch.setattr(client, "listing", listing)
     monkeypatch.setenv("COLUMNS", "300")

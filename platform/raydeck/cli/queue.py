@@ -36,22 +36,46 @@ def _clock(at: float | None) -> str:
     return datetime.datetime.fromtimestamp(at).strftime("%H:%M:%S")
 
 
+def _seconds(option: str, text: str | None) -> float | None:
+    """``text`` (``90s``, ``10m``, ``1h``) in seconds, None when not given.
+
+    Raises:
+        ConfigError: not a positive duration, naming ``option``.
+    """
+    from raydeck.errors import ConfigError
+    from raydeck.observability.prometheus import parse_duration
+
+    if text is None:
+        return None
+    try:
+        return parse_duration(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{option}={text}: {exc}") from None
+
+
 def queue(
     policy: str = typer.Option(None, help="Switch the policy: fifo, priority, sjf, fairshare, "
                                           "las, gittins, backfill or backfill-<policy>."),
     aging: str = typer.Option(None, help="Aging bound, e.g. 1h: a job waiting this long goes "
-                                         "first."),
+                                         "first (the starvation bound)."),
+    thresholds: str = typer.Option(None, help="las' levels: attained GPU-time (CPU-time for a "
+                                              "job without GPUs), e.g. 1h,10h (the default): "
+                                              "a job passes to level 1 after 1 GPU-hour."),
+    min_run: str = typer.Option(None, "--min-run",
+                                help="How long a job resumed after a preemption runs before "
+                                     "it may be preempted again, e.g. 10m (the default)."),
     teams: Path = typer.Option(None, help="YAML of teams: NAME: {weight: 2, gpus: 4, cpus: 32, "
                                           "members: [USER], max_priority: 5}, and admins: "
                                           "[USER] (only they may change it)."),
     address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
 ) -> None:
-    """Show the queue: position, predicted start and why each job waits; change its policy."""
+    """Show the queue: position, predicted start and why each job waits; change its settings
+    (kept by the queue until changed again)."""
     import yaml
 
     from raydeck.errors import ConfigError
-    from raydeck.observability.prometheus import parse_duration
     from raydeck.scheduling.client import listing
+    from raydeck.scheduling.configuration import ConfigChange, parse_thresholds
 
     settings, server = _context(address)
     team_specs = None
@@ -61,14 +85,14 @@ def queue(
         team_specs = yaml.safe_load(teams.read_text()) or {}
         if not isinstance(team_specs, dict):
             raise ConfigError(f"--teams {teams}: must map team names to {{weight, gpus, cpus}}")
-    aging_s = parse_duration(aging) if aging is not None else None
-    if policy is not None:
-        from raydeck.scheduling.policies import make_policy
-
-        make_policy(policy)  # an unknown policy fails before anything changes
-    name, entries = listing(settings, server, policy, aging_s, team_specs)
+    # A bad value fails here, before anything changes (the queue checks it again).
+    change = ConfigChange(
+        policy, _seconds("--aging", aging), team_specs,
+        parse_thresholds(thresholds) if thresholds is not None else None,
+        _seconds("--min-run", min_run))
+    described, entries = listing(settings, server, change)
     now = time.time()
-    table = Table(title=f"queue (policy {name})")
+    table = Table(title=f"queue ({described})")
     # Attained-service policies (las, gittins) rank by the service a job has had, not by
     # its expected duration: show that service and where it ranks the job.
     ranked = any(entry.rank for entry in entries)

@@ -27,6 +27,7 @@ from typing import Any
 from raydeck.errors import ConfigError, RaydeckError
 from raydeck.jobs import JobServer
 from raydeck.preemption import QUEUE_ACTOR_NAME
+from raydeck.scheduling.configuration import ConfigChange
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.launcher import Observer
 from raydeck.scheduling.store import JobRow
@@ -98,12 +99,14 @@ class QueueActor:
         return self._call(lambda: self._queue.reprioritize(job_id, priority, who), server)
 
     def listing(self, server: JobServer | None = None) -> tuple[bool, Any]:
-        return self._call(lambda: (self._queue.policy_name(), self._queue.listing()), server)
+        return self._call(lambda: (self._queue.describe(), self._queue.listing()), server)
 
-    def configure(self, policy: str | None, aging_s: float | None,
-                  teams: dict[str, Any] | None, who: Identity,
-                  server: JobServer | None = None) -> tuple[bool, Any]:
-        return self._call(lambda: self._queue.configure(who, policy, aging_s, teams), server)
+    def configure(self, change: ConfigChange, who: Identity, server: JobServer | None = None
+                  ) -> tuple[bool, Any]:
+        """Apply ``change`` (validated again here: the caller's check is not trusted)."""
+        return self._call(lambda: self._queue.configure(
+            who, change.policy, change.aging_s, change.teams, change.thresholds_s,
+            change.min_run_s), server)
 
     def tick(self) -> tuple[bool, Any]:
         return self._call(self._queue.tick)

@@ -25,6 +25,7 @@ from raydeck.config import Settings
 from raydeck.errors import ClusterUnavailableError, ConfigError
 from raydeck.jobs import JobRequest, JobServer, submitted_metadata, submitted_runtime_env
 from raydeck.scheduling.actor import ACTOR_NAME, answer, queue_handle
+from raydeck.scheduling.configuration import ConfigChange
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.jobspec import DEFAULT_TEAM, JobSpec
 from raydeck.scheduling.listing import Entry
@@ -173,14 +174,14 @@ def call(reply: Any, unsure: str = "") -> Any:
             f"may be slow to answer it){unsure}; try again") from None
 
 
-def listing(settings: Settings, server: JobServer, policy: str | None = None,
-            aging_s: float | None = None, teams: dict[str, Any] | None = None
+def listing(settings: Settings, server: JobServer, change: ConfigChange | None = None
             ) -> tuple[str, list[Entry]]:
-    """The queue's policy and entries, after applying any new policy or teams."""
+    """The queue's settings in words (:meth:`~raydeck.scheduling.queue.JobQueue.describe`)
+    and entries, after applying ``change`` (as this process's OS user)."""
     connect_running(settings.ray_address)
     handle = queue_handle(server, settings.ray_namespace)
-    if policy is not None or aging_s is not None or teams is not None:
-        call(handle.configure.remote(policy, aging_s, teams, Identity.here(), server))
+    if change is not None and not change.empty():
+        call(handle.configure.remote(change, Identity.here(), server))
     return call(handle.listing.remote(server))
 
 

@@ -1,24 +1,37 @@
-"""The queue's configuration: its policy, the policy's aging bound and the teams file, stored
-with its jobs (:class:`~raydeck.scheduling.store.Store`), and the policy object they make.
+"""The queue's configuration: its policy, the policy's aging bound (the starvation bound), the
+``las`` levels' thresholds, the minimum run between two preemptions of a job, and the teams
+file, stored with its jobs (:class:`~raydeck.scheduling.store.Store`, so a restarted queue
+actor keeps them), and the policy object they make.
 
-Owns: reading them, changing them (validated whole first and allowed only to an admin,
-:func:`~raydeck.scheduling.access.check_configure`: a refused or bad change changes nothing)
-and :meth:`QueueConfig.policy`, which makes the policy and replays the usage fair share
+Owns: :class:`ConfigChange` (a change, validated at construction), reading the settings,
+changing them (allowed only to an admin, :func:`~raydeck.scheduling.access.check_configure`:
+a refused or bad change changes nothing), :func:`parse_thresholds` (``--thresholds``),
+:meth:`QueueConfig.describe` (what ``raydeck queue`` shows of them) and
+:meth:`QueueConfig.policy`, which makes the policy and replays the usage fair share
 remembers. Does not own the lock: the queue (:mod:`raydeck.scheduling.queue`) holds its own
 around a change and the policy it then makes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from raydeck.errors import ConfigError
+from raydeck.observability.prometheus import parse_duration, prometheus_duration
 from raydeck.scheduling import access
-from raydeck.scheduling.attained_service import Durations, Gittins
+from raydeck.scheduling.attained_service import (
+    DEFAULT_THRESHOLDS,
+    Durations,
+    Gittins,
+    LeastAttainedService,
+)
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.jobspec import TeamsFile
 from raydeck.scheduling.policies import DEFAULT_AGING_S, Policy, RunningJob, make_policy
+from raydeck.scheduling.preemption_rules import MIN_RUN_BEFORE_PREEMPTION_S
 from raydeck.scheduling.reconcile import queued
 from raydeck.scheduling.store import Store
 
@@ -26,6 +39,67 @@ DEFAULT_POLICY = "fifo"
 # The ended jobs whose usage fair share replays at start: 48 of its 1 h half-lives, after which
 # a job's usage weighs 2**-48 of what it did.
 REPLAY_S = 48 * 3600.0
+
+
+def parse_thresholds(text: str) -> tuple[float, ...]:
+    """``--thresholds``: comma-separated GPU-times (CPU-times for a job without GPUs), each a
+    duration (``1h,10h``: 1 then 10 GPU-hours; ``30,300``: seconds), as GPU-seconds.
+
+    Raises:
+        ConfigError: a part is not a positive duration (naming it and the form).
+    """
+    try:
+        return tuple(parse_duration(part) for part in text.split(","))
+    except ConfigError:
+        raise ConfigError(f"--thresholds={text}: must be comma-separated GPU-times, each a "
+                          "positive duration, e.g. 1h,10h (1 then 10 GPU-hours)") from None
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """A change to the queue's settings; None leaves a setting as it is. Validated whole at
+    construction, so a bad change changes nothing.
+
+    Attributes:
+        policy: the policy's name (:func:`~raydeck.scheduling.policies.make_policy`).
+        aging_s: the starvation bound: a job that has waited this long goes first.
+        teams: the teams file (:class:`~raydeck.scheduling.jobspec.TeamsFile`).
+        thresholds_s: ``las``' levels, increasing GPU-seconds (CPU-seconds for a job without
+            GPUs) of attained service.
+        min_run_s: how long a job resumed after a preemption runs before it may be preempted
+            again (:func:`~raydeck.scheduling.preemption_rules.preemptible`).
+
+    Raises:
+        ConfigError: an unknown policy, a bad teams file, or a value out of range, naming the
+            option and what it accepts.
+    """
+
+    policy: str | None = None
+    aging_s: float | None = None
+    teams: Mapping[str, Any] | None = None
+    thresholds_s: Sequence[float] | None = None
+    min_run_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.teams is not None:
+            TeamsFile.parse(self.teams)
+        if self.policy is not None:
+            make_policy(self.policy)  # raises for an unknown name
+        if self.aging_s is not None and not self.aging_s > 0:
+            raise ConfigError(f"--aging={self.aging_s}: must be > 0 seconds")
+        if self.thresholds_s is not None:
+            thresholds = tuple(self.thresholds_s)
+            if not thresholds or not all(0 < t < math.inf for t in thresholds) \
+                    or list(thresholds) != sorted(set(thresholds)):
+                raise ConfigError(f"--thresholds={','.join(f'{t:g}s' for t in thresholds)}: "
+                                  "must be increasing GPU-times > 0, e.g. 1h,10h")
+        if self.min_run_s is not None and not 0 < self.min_run_s < math.inf:
+            raise ConfigError(f"--min-run={self.min_run_s}: must be > 0 seconds, e.g. 10m")
+
+    def empty(self) -> bool:
+        """Whether it changes nothing."""
+        return all(value is None for value in (self.policy, self.aging_s, self.teams,
+                                               self.thresholds_s, self.min_run_s))
 
 
 class QueueConfig:
@@ -44,36 +118,60 @@ class QueueConfig:
     def policy_name(self) -> str:
         return str(self._store.setting("policy", DEFAULT_POLICY))
 
-    def change(self, who: Identity, policy: str | None = None, aging_s: float | None = None,
-               teams: Mapping[str, Any] | None = None) -> None:
-        """Switch the policy, its aging bound and/or replace the teams file, as ``who``.
+    def aging_s(self) -> float:
+        return float(self._store.setting("aging_s", DEFAULT_AGING_S))
+
+    def thresholds_s(self) -> tuple[float, ...]:
+        return tuple(self._store.setting("thresholds_s", DEFAULT_THRESHOLDS))
+
+    def min_run_s(self) -> float:
+        return float(self._store.setting("min_run_s", MIN_RUN_BEFORE_PREEMPTION_S))
+
+    def change(self, who: Identity, change: ConfigChange) -> None:
+        """Apply ``change`` as ``who``.
 
         Raises:
-            ConfigError: an unknown policy, aging <= 0, a bad teams file, or ``who`` is not an
-                admin (nothing is changed).
+            ConfigError: ``who`` is not an admin (nothing is changed).
         """
-        new = TeamsFile.parse(teams) if teams is not None else None
-        if policy is not None:
-            make_policy(policy)  # raises for an unknown name
-        if aging_s is not None and not aging_s > 0:
-            raise ConfigError(f"--aging={aging_s}: must be > 0 seconds")
+        new = TeamsFile.parse(change.teams) if change.teams is not None else None
         access.check_configure(who, self.teams_file(), new)
-        if teams is not None:
-            self._store.set_setting("teams", dict(teams))
-        if policy is not None:
-            self._store.set_setting("policy", policy)
-        if aging_s is not None:
-            self._store.set_setting("aging_s", aging_s)
+        if change.teams is not None:
+            self._store.set_setting("teams", dict(change.teams))
+        if change.policy is not None:
+            self._store.set_setting("policy", change.policy)
+        if change.aging_s is not None:
+            self._store.set_setting("aging_s", change.aging_s)
+        if change.thresholds_s is not None:
+            self._store.set_setting("thresholds_s", list(change.thresholds_s))
+        if change.min_run_s is not None:
+            self._store.set_setting("min_run_s", change.min_run_s)
+
+    def describe(self) -> str:
+        """The settings in words, for ``raydeck queue``'s title, each in the form its option
+        takes: the policy, its starvation bound (``--aging``), ``las``' thresholds and the
+        minimum run between two preemptions of a job (every policy preempts for priority)."""
+        name = self.policy_name()
+        words = [f"policy {name}", f"aging {prometheus_duration(self.aging_s())}"]
+        if name == "las":
+            words.append("thresholds " + ",".join(map(prometheus_duration, self.thresholds_s()))
+                         + " GPU-time")
+        words.append(f"min run {prometheus_duration(self.min_run_s())}")
+        return "; ".join(words)
 
     def policy(self) -> Policy:
         """The configured policy, with the usage of what ended in the last ``REPLAY_S``."""
-        aging_s = float(self._store.setting("aging_s", DEFAULT_AGING_S))
+        aging_s = self.aging_s()
         teams = self.teams_file().teams.values()
         weights = {t.name: t.weight for t in teams}
         quotas = {t.name: t.quota for t in teams if t.quota is not None}
         name = self.policy_name()
-        policy = (Gittins(aging_s, quotas, durations=self._durations) if name == "gittins"
-                  else make_policy(name, aging_s, quotas, weights))
+        policy: Policy
+        if name == "gittins":
+            policy = Gittins(aging_s, quotas, durations=self._durations)
+        elif name == "las":
+            policy = LeastAttainedService(aging_s, quotas, self.thresholds_s())
+        else:
+            policy = make_policy(name, aging_s, quotas, weights)
         # Fair share remembers usage: replay what ended lately (older usage has decayed).
         for row in self._store.ended_since(self._clock() - REPLAY_S):
             if row.started_at is not None and row.ended_at is not None:

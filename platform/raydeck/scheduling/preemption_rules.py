@@ -39,7 +39,8 @@ from raydeck.scheduling.policies import (
 
 # A job restarted after a preemption runs at least this long before it may be stopped again:
 # a restart costs minutes (workers start, the checkpoint loads), which a shorter run would not
-# repay. A first attempt may be stopped at its first checkpoint.
+# repay. A first attempt may be stopped at its first checkpoint. The queue's default
+# (``raydeck queue --min-run``).
 MIN_RUN_BEFORE_PREEMPTION_S = 600.0
 
 
@@ -54,11 +55,13 @@ def preemptible(job: RunningJob, now: float,
 
 
 def preempt(policy: Policy, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
-            free: Resources, now: float) -> Preemption | None:
-    """:meth:`Policy.preempt` with only :func:`preemptible` jobs as victims (``running`` and
-    ``free`` leave out, and count as free, the jobs already stopping)."""
+            free: Resources, now: float,
+            min_run_s: float = MIN_RUN_BEFORE_PREEMPTION_S) -> Preemption | None:
+    """:meth:`Policy.preempt` with only :func:`preemptible` jobs (under ``min_run_s``) as
+    victims (``running`` and ``free`` leave out, and count as free, the jobs already
+    stopping)."""
     return policy.preempt(queue, running, free, now,
-                          can_stop=lambda job: preemptible(job, now))
+                          can_stop=lambda job: preemptible(job, now, min_run_s))
 
 
 def held_back(preempted_for: Mapping[str, str], queued: Collection[str]) -> dict[str, str]:

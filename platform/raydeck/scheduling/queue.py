@@ -58,13 +58,13 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from raydeck.errors import ConfigError
 from raydeck.scheduling import access
 from raydeck.scheduling import preemption_rules as rules
-from raydeck.scheduling.configuration import QueueConfig
+from raydeck.scheduling.configuration import ConfigChange, QueueConfig
 from raydeck.scheduling.failures import Backoff, classify
 from raydeck.scheduling.history import CachedHistory, predict
 from raydeck.scheduling.identity import Identity
@@ -132,6 +132,7 @@ class JobQueue:
         self._submitter = Submitter(store, launcher, self._backoff, self._lock)
         self._config = QueueConfig(store, clock, self._history)
         self._policy = self._config.policy()
+        self._min_run_s = self._config.min_run_s()
 
     # --- configuration ---------------------------------------------------------------------
     def teams_file(self) -> TeamsFile:
@@ -140,13 +141,28 @@ class JobQueue:
     def policy_name(self) -> str:
         return self._config.policy_name()
 
+    def describe(self) -> str:
+        """The settings in words (:meth:`QueueConfig.describe`)."""
+        return self._config.describe()
+
     def configure(self, who: Identity, policy: str | None = None, aging_s: float | None = None,
-                  teams: Mapping[str, Any] | None = None) -> str:
-        """Change the policy, its aging bound and/or the teams file as ``who``, an admin
-        (:meth:`QueueConfig.change` says what it raises); returns the policy's name."""
+                  teams: Mapping[str, Any] | None = None,
+                  thresholds_s: Sequence[float] | None = None,
+                  min_run_s: float | None = None) -> str:
+        """Change the settings as ``who``, an admin: the policy, its aging bound, the teams
+        file, ``las``' thresholds, the minimum run between preemptions
+        (:class:`~raydeck.scheduling.configuration.ConfigChange`; None leaves one as it is);
+        returns the policy's name.
+
+        Raises:
+            ConfigError: a bad value (:class:`ConfigChange`) or ``who`` is not an admin;
+                nothing is changed.
+        """
+        change = ConfigChange(policy, aging_s, teams, thresholds_s, min_run_s)
         with self._lock:
-            self._config.change(who, policy, aging_s, teams)
+            self._config.change(who, change)
             self._policy = self._config.policy()
+            self._min_run_s = self._config.min_run_s()
         return self.policy_name()
 
     # --- clients -----------------------------------------------------------------------------
@@ -451,7 +467,8 @@ class JobQueue:
             if job.job.id in stopping:
                 pool = pool + job.job.needs
         decision = rules.preempt(self._policy, [j for j in waiting if j.id not in preempted_for],
-                                 [r for r in running if r.job.id not in stopping], pool, now)
+                                 [r for r in running if r.job.id not in stopping], pool, now,
+                                 self._min_run_s)
         if decision is None:
             return
         for victim in decision.victims:
