@@ -33,6 +33,10 @@ TEST_ENV = {
     # to start); no test drains a node, and raydeck's own preemption does not use it.
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # On SIGTERM `ray start --block` drains its node for up to 30 s before it stops Ray's
+    # processes; a test stopping its head signals the GCS at the same moment, so the drain
+    # request hangs and every stop waited out its grace (the stack's `down`: 20 s for the head).
+    "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
     # The in-process cluster runs without token auth, pinned so no earlier run decides it;
     # tests of `ray job submit` start their own head with RAY_AUTH_MODE=token.
     "RAY_AUTH_MODE": "disabled",

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import TEST_ENV
 from tests.fixtures.ray_head import MARKER_ENV, new_marker, reap
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,9 +33,10 @@ def fake_gpu_results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[
     root = tmp_path_factory.mktemp("fake-gpus")
     marker = new_marker()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_ADDRESS", "RAYDECK_"))}
-    env.update({MARKER_ENV: marker, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
-                "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5", "FAKE_GPU_STORAGE": str(root),
-                "PYTHONUNBUFFERED": "1"})
+    # The suite's Ray settings (auth off, Ray Train's 0.5 s health checks, no preemption
+    # watcher: one actor process less for each of the five fits), whatever ran before.
+    env.update({k: v for k, v in TEST_ENV.items() if k.startswith("RAY_")})
+    env.update({MARKER_ENV: marker, "FAKE_GPU_STORAGE": str(root), "PYTHONUNBUFFERED": "1"})
     checks = ["feasibility", "admission", *(f"placement:{name}" for name in PRESETS)]
     try:
         done = subprocess.run(

@@ -373,6 +373,11 @@ class RayHeadLauncher(Launcher):
             "RAY_GRAFANA_HOST": grafana,
             "RAY_GRAFANA_IFRAME_HOST": grafana,
             "RAY_DASHBOARD_STARTUP_TIMEOUT_S": str(DASHBOARD_STARTUP_TIMEOUT_S),
+            # On SIGTERM `ray start --block` first asks the GCS to drain its node and waits up
+            # to 30 s; `down` signals the whole group, the GCS included, so the request hangs
+            # until `down`'s grace runs out and SIGKILLs the head. A one-node stack has nowhere
+            # to drain to.
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         }
 
     def ready(self, ctx: StackContext) -> bool:

@@ -151,8 +151,10 @@ SERVICES: tuple[ServiceSpec, ...] = (
         ports=(PortSpec("ray", 6379), PortSpec("ray-dashboard", 8265),
                PortSpec("ray-client", 10001)),
         after=("mlflow",),
-        # Ray's dashboard must start within 60 s by default, too short on a busy machine.
-        local_env=(*RAYDECK_PROCESS_ENV, "RAY_DASHBOARD_STARTUP_TIMEOUT_S"),
+        # Ray's dashboard must start within 60 s by default, too short on a busy machine; the
+        # drain on SIGTERM is off (RayHeadLauncher.environment says why).
+        local_env=(*RAYDECK_PROCESS_ENV, "RAY_DASHBOARD_STARTUP_TIMEOUT_S",
+                   "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"),
         startup_timeout_s=300.0,
     ),
     ServiceSpec(
