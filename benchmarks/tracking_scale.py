@@ -538,6 +538,8 @@ def cluster(root: Path, worker_nodes: int, node_cpus: int) -> Iterator[tuple[Ray
     try:
         server.start()
         for attempt in range(1, HEAD_ATTEMPTS + 1):
+            # Ray reads its auth mode once, when first imported (RayHead's start imports it).
+            os.environ.update({**head.client_env, MARKER_ENV: head.marker})
             try:
                 head.start()
                 break
@@ -613,7 +615,6 @@ def main() -> None:
                              baseline=not args.no_baseline, announce=True), args.json)
             return
         with cluster(root, args.worker_nodes, args.node_cpus) as (head, server):
-            os.environ.update({**head.client_env, MARKER_ENV: head.marker})
             connect(head.gcs_address, scale_settings(server.uri, root / "data"))
             for load in loads:
                 # Each N on a proxy of its own (a namespace of its own), started by its attaches.
