@@ -53,8 +53,8 @@ REPO = Path(__file__).resolve().parents[1]
 TEAMS = {"a": {"cpus": 3}, "b": {"weight": 2}, "c": {}}
 CLI_TIMEOUT_S = 120
 QUEUE_SCRAPE_INTERVAL_S = 5.0
-# How often a wait asks the job server or MLflow: each check is requests a server on the same
-# 2 cores answers, for minutes; a second late at most is nothing next to a job's run.
+# How often a wait asks the job server or MLflow: each check sends requests that a server on
+# the same 2 cores must answer, for minutes; seeing a change up to 1 s late costs nothing.
 SERVER_POLL_S = 1.0
 
 
