@@ -20,6 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,9 @@ REPO = Path(__file__).resolve().parents[1]
 TEAMS = {"a": {"cpus": 3}, "b": {"weight": 2}, "c": {}}
 CLI_TIMEOUT_S = 120
 QUEUE_SCRAPE_INTERVAL_S = 5.0
+# How often a wait asks the job server or MLflow: each check sends requests that a server on
+# the same 2 cores must answer, for minutes; seeing a change up to 1 s late costs nothing.
+SERVER_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -69,14 +73,22 @@ class Cluster:
                               env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
 
     def submit(self, name: str, preset: str, seconds: float, team: str, priority: int = 0,
-               hold: bool = False, unseen_end: bool = False
+               hold: bool = False, unseen_end: bool = False, until: Path | None = None
                ) -> subprocess.CompletedProcess[str]:
+        """Queue tests/fixtures/queue_job.py; ``until``: it also holds until that file exists
+        (:meth:`release_file`)."""
         return self.cli("submit", "queue_job.py", "--queue", "--no-check", "--runtime-env",
                         "runtime.yaml", "--preset", preset, "--run-name", name, "--run-id",
                         name, "--team", team, "--priority", str(priority), "--",
                         "--seconds", str(seconds), "--log", str(self.log),
                         *(["--hold"] if hold else []),
-                        *(["--unseen-end"] if unseen_end else []))
+                        *(["--unseen-end"] if unseen_end else []),
+                        *(["--until", str(until)] if until else []))
+
+    def release_file(self, name: str) -> Path:
+        """A file that releases the jobs submitted with ``until=`` it once the test creates
+        it."""
+        return self.workdir.parent / f"release-{name}"
 
     def digits(self, name: str, preset: str, team: str, priority: int, epochs: int,
                job: str = "digits_torch.py") -> str:
@@ -86,6 +98,15 @@ class Cluster:
             "submit", job, "--queue", "--no-check", "--runtime-env",
             "runtime.yaml", "--preset", preset, "--run-name", name, "--run-id", name, "--team",
             team, "--priority", str(priority), "--", "--epochs", str(epochs)))
+
+    @cached_property
+    def jobs(self) -> Any:
+        """The head's job server client (a ``JobSubmissionClient``), made once: making one
+        checks the server and lists every job (here about 1 s and 0.1 CPU-s, against 0.02 s
+        for a job's status), which a wait polling three jobs every 0.2 s would pay each time."""
+        from raydeck.jobs import JobServer
+
+        return JobServer.from_env(env=self.head.client_env).client()
 
     def python(self, script: str) -> str:
         """Run ``script`` in a Python connected to this cluster (as a driver); its stdout."""
@@ -201,15 +222,13 @@ def _explained(cluster: Cluster, check: Callable[[], bool], timeout_s: float, wh
                *submission_ids: str) -> None:
     """wait_until, failing with the queue, the jobs and the named jobs' logs."""
     try:
-        wait_until(check, timeout_s, what)
+        wait_until(check, timeout_s, what, interval_s=SERVER_POLL_S)
     except TimeoutError as exc:
-        from raydeck.jobs import JobServer
-
-        client = JobServer.from_env(env=cluster.head.client_env).client()
         logs = []
         for submission_id in submission_ids:
             try:
-                logs.append(f"{submission_id}:\n{client.get_job_logs(submission_id)[-3000:]}")
+                logs.append(f"{submission_id}:\n"
+                            f"{cluster.jobs.get_job_logs(submission_id)[-3000:]}")
             except RuntimeError as missing:
                 logs.append(f"{submission_id}: {missing}")
         raise AssertionError(f"{exc}\n{cluster.cli('queue').stdout}\n"
@@ -244,7 +263,7 @@ def test_three_teams_digits_jobs_on_two_nodes_start_in_policy_order_whole_within
         _ok(cluster.submit(name, preset, 900, team, hold=True))
         _explained(cluster, lambda job=name: job in cluster.events(), 120, f"{name} to hold",
                    f"raydeck-{name}")
-    epochs = 3
+    epochs = 2
     # c-big (2 x 1.5 CPU, STRICT_PACK, priority 5) fits the 3 free CPUs but no node; a2 is
     # held by team a's quota; b2 fits the head now but waits behind c-big (no backfill).
     for name, preset, team, priority in (("c-big", "t3", "c", 5), ("a2", "c1", "a", 0),
@@ -264,7 +283,8 @@ def test_three_teams_digits_jobs_on_two_nodes_start_in_policy_order_whole_within
     _explained(cluster, lambda: all(_ended(cluster, f"raydeck-{job}") for job in jobs), 600,
                "the three teams' digits jobs to end", *(f"raydeck-{job}" for job in jobs))
     _ok(cluster.cli("cancel", "raydeck-b-hold"))
-    wait_until(lambda: _ended(cluster, "raydeck-b-hold"), 120, "b-hold to end")
+    wait_until(lambda: _ended(cluster, "raydeck-b-hold"), 120, "b-hold to end",
+               interval_s=SERVER_POLL_S)
 
     infos = {job: _job_info(cluster, f"raydeck-{job}") for job in jobs}
     assert all(info.status.value == "SUCCEEDED" for info in infos.values()), infos
@@ -298,11 +318,13 @@ def test_three_teams_digits_jobs_on_two_nodes_start_in_policy_order_whole_within
 @pytest.mark.timeout(600)
 def test_a_killed_queue_actor_loses_and_repeats_nothing(cluster: Cluster) -> None:
     _ok(cluster.cli("queue", "--policy", "fifo"))
-    # Submitting takes seconds per job: the long ones hold the 4 GPUs well past the checks.
-    _ok(cluster.submit("long", "q2", 60, "b"))
-    _ok(cluster.submit("long2", "q2", 60, "b"))
+    # The long ones hold the 4 GPUs until the checks are done: w1 and w2 wait behind them.
+    release = cluster.release_file("killed-actor")
+    _ok(cluster.submit("long", "q2", 0, "b", until=release))
+    _ok(cluster.submit("long2", "q2", 0, "b", until=release))
     _ok(cluster.submit("w1", "q2", 3, "b"))
     _ok(cluster.submit("w2", "q1", 3, "c"))
+    wait_until(lambda: {"long", "long2"} <= set(cluster.events()), 120, "the long jobs to start")
     before = _ok(cluster.cli("queue"))
     assert "queued" in _row(before, "raydeck-w1") and "queued" in _row(before, "raydeck-w2")
     cluster.python("import ray; ray.init(address='auto', logging_level='ERROR'); "
@@ -311,6 +333,7 @@ def test_a_killed_queue_actor_loses_and_repeats_nothing(cluster: Cluster) -> Non
     # `raydeck queue` starts the queue again; it reads every job back from its database.
     listing = _ok(cluster.cli("queue"))
     assert "raydeck-w1" in listing and "raydeck-w2" in listing, listing
+    release.touch()
     wait_until(lambda: all(len(cluster.events().get(job, {}).get("end", [])) == 1
                            for job in ("long", "long2", "w1", "w2")), 240, "every job to end")
     events: dict[str, Any] = cluster.events()
@@ -319,11 +342,8 @@ def test_a_killed_queue_actor_loses_and_repeats_nothing(cluster: Cluster) -> Non
 
 
 def _job_info(cluster: Cluster, submission_id: str) -> Any:
-    from raydeck.jobs import JobServer
-
     try:
-        return JobServer.from_env(env=cluster.head.client_env).client().get_job_info(
-            submission_id)
+        return cluster.jobs.get_job_info(submission_id)
     except RuntimeError:
         return None  # not submitted yet
 
@@ -363,7 +383,7 @@ def test_low_priority_jobs_are_preempted_at_a_checkpoint_and_resume_in_their_run
     cluster.digits("pre-low", "d3", "c", 0, epochs["pre-low"])
     cluster.digits("pre-lit", "d3", "c", 0, epochs["pre-lit"], job="digits_lightning.py")
     wait_until(lambda: all(_latest_epoch(mlflow_client, job) >= 1 for job in epochs), 300,
-               "both low-priority jobs to commit a checkpoint")
+               "both low-priority jobs to commit a checkpoint", interval_s=SERVER_POLL_S)
     cluster.digits("pre-high", "d8", "c", 5, 3)
     asked_at = time.time()
     # Any checkpoint a low job commits from now on may be the one it stops at.
@@ -507,9 +527,11 @@ def test_a_head_restart_loses_no_job_and_reruns_what_died_with_it(cluster: Clust
     """Last in the module: it restarts the head (the queue's database is in the head's data
     dir; Ray's job table and the queue actor are not kept by a restarted head)."""
     _ok(cluster.cli("queue", "--policy", "fifo"))
-    # Long enough to be running when the head goes down: they die with it and run again.
-    _ok(cluster.submit("hr-run1", "q2", 75, "b"))
-    _ok(cluster.submit("hr-run2", "q2", 75, "b"))
+    # Held until they ran again: they are running when the head goes down, die with it and
+    # run again; hr-wait waits behind them.
+    release = cluster.release_file("head-restart")
+    _ok(cluster.submit("hr-run1", "q2", 0, "b", until=release))
+    _ok(cluster.submit("hr-run2", "q2", 0, "b", until=release))
     # Ends (its MLflow run FINISHED) but the head goes down before its exit is seen: its run
     # is its witness, so it runs exactly once.
     _ok(cluster.submit("hr-done", "c1", 0, "c", unseen_end=True))
@@ -521,6 +543,10 @@ def test_a_head_restart_loses_no_job_and_reruns_what_died_with_it(cluster: Clust
     cluster.head.start()
     assert "hr-wait" in _ok(cluster.cli("queue"))  # a new queue actor, from its database
     try:
+        wait_until(lambda: all(len(cluster.events()[job]["start"]) == 2
+                               for job in ("hr-run1", "hr-run2")), 300,
+                   "the two long jobs to start again")
+        release.touch()
         wait_until(lambda: all(len(cluster.events().get(job, {}).get("end", [])) == 1
                                for job in ("hr-run1", "hr-run2", "hr-wait")), 300,
                    "every job to end once")

@@ -22,7 +22,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from raydeck.errors import ConfigError, RaydeckError
 from raydeck.jobs import JobServer
@@ -30,7 +30,9 @@ from raydeck.preemption import QUEUE_ACTOR_NAME
 from raydeck.scheduling.configuration import ConfigChange
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.launcher import Observer
-from raydeck.scheduling.store import JobRow
+
+if TYPE_CHECKING:  # the queue's clients import this module without SQLAlchemy (job_view.py)
+    from raydeck.scheduling.store import JobRow
 
 logger = logging.getLogger(__name__)
 

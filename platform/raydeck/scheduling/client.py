@@ -27,10 +27,10 @@ from raydeck.jobs import JobRequest, JobServer, submitted_metadata, submitted_ru
 from raydeck.scheduling.actor import ACTOR_NAME, answer, queue_handle
 from raydeck.scheduling.configuration import ConfigChange
 from raydeck.scheduling.identity import Identity
+from raydeck.scheduling.job_view import JobView
 from raydeck.scheduling.jobspec import DEFAULT_TEAM, JobSpec
 from raydeck.scheduling.listing import Entry
 from raydeck.scheduling.policies import Gang
-from raydeck.scheduling.store import JobView
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,12 @@ import abc
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from raydeck.scheduling.policies import Resources
-from raydeck.scheduling.store import JobRow
+
+if TYPE_CHECKING:  # the queue's clients import this module without SQLAlchemy (job_view.py)
+    from raydeck.scheduling.store import JobRow
 
 # The longest one call to the job server may take before the queue gives up on it (Ray's job
 # client requests are sent with this timeout too: raydeck.scheduling.ray_jobs).

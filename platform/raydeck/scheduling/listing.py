@@ -13,9 +13,11 @@ from __future__ import annotations
 import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from raydeck.errors import ConfigError
 from raydeck.scheduling.attained_service import AttainedService, service_unit
+from raydeck.scheduling.job_view import JobView
 from raydeck.scheduling.jobspec import Team
 from raydeck.scheduling.policies import (
     Capacity,
@@ -25,7 +27,9 @@ from raydeck.scheduling.policies import (
     RunningJob,
     team_usage,
 )
-from raydeck.scheduling.store import JobRow, JobView
+
+if TYPE_CHECKING:  # the queue's clients import this module without SQLAlchemy (job_view.py)
+    from raydeck.scheduling.store import JobRow
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ from raydeck.scheduling.configuration import ConfigChange, QueueConfig
 from raydeck.scheduling.failures import Backoff, classify
 from raydeck.scheduling.history import CachedHistory, predict
 from raydeck.scheduling.identity import Identity
+from raydeck.scheduling.job_view import JobView
 from raydeck.scheduling.jobspec import JobSpec, TeamsFile, admit
 from raydeck.scheduling.launcher import Launcher, Observer
 from raydeck.scheduling.listing import Entry, explain, held_back, predicted_starts, strict
@@ -77,7 +78,7 @@ from raydeck.scheduling.reconcile import queued as _queued
 from raydeck.scheduling.reconcile import refused as _refused
 from raydeck.scheduling.reconcile import running as _running
 from raydeck.scheduling.reconcile import told as _told
-from raydeck.scheduling.store import ACTIVE, ENDED, JobRow, JobView, Store, submission_id
+from raydeck.scheduling.store import ACTIVE, ENDED, JobRow, Store, submission_id
 from raydeck.scheduling.submission import Submitter
 from raydeck.scheduling.witness import RunFinished, witness
 

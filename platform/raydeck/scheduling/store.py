@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any, cast
 
 from sqlalchemy import (
@@ -113,37 +112,6 @@ class SettingRow(_Base):
 
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     value: Mapped[str] = mapped_column(Text)
-
-
-@dataclass(frozen=True)
-class JobView:
-    """A job as clients see it (detached from the database session)."""
-
-    id: str
-    team: str
-    priority: int
-    cpus: float
-    gpus: float
-    preset: str
-    key: str
-    entrypoint: str
-    estimate_s: float
-    state: str
-    reason: str
-    submitted_at: float
-    started_at: float | None
-    ended_at: float | None
-    submission_id: str
-    preemptions: int
-    user: str = ""
-    host: str = ""
-
-    @classmethod
-    def of(cls, row: JobRow) -> JobView:
-        return cls(row.id, row.team, row.priority, row.cpus, row.gpus, row.preset, row.key,
-                   row.entrypoint, row.estimate_s, row.state, row.reason, row.submitted_at,
-                   row.started_at, row.ended_at, row.submission_id, row.preemptions,
-                   row.user, row.host)
 
 
 class Store:
