@@ -167,3 +167,11 @@ def test_dead_letters_survive_a_restart_and_show_in_stats(tmp_path: Path,
         assert letters[0]["kind"] == "param" and letters[0]["key"] == "p"
     finally:
         second.stop()
+
+
+def test_retries_back_off_doubling_up_to_the_configured_cap() -> None:
+    from raydeck.tracking.run_queue import backoff_s
+
+    # RAYDECK_TRACKING_RETRY_MAX_S caps the wait; the default (5 s) after five failures in a row.
+    assert [backoff_s(n, 1.0) for n in range(1, 6)] == [0.25, 0.5, 1.0, 1.0, 1.0]
+    assert [backoff_s(n, 5.0) for n in (5, 6, 50)] == [4.0, 5.0, 5.0]
