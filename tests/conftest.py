@@ -25,6 +25,11 @@ TEST_ENV = {
     # them in every run without a stream of writes through the proxy to MLflow.
     "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "5",
     "RAYDECK_TRACKING_LOST_AFTER_S": "15",
+    # Waits the fault tests sit through: a SIGKILLed worker is suspected after 2.5 missed
+    # beats (Ray is then asked), and a write that failed while MLflow or S3 was down is tried
+    # again at most this long after it came back (defaults: 5 s each).
+    "RAYDECK_TRACKING_HEARTBEAT_INTERVAL_S": "1",
+    "RAYDECK_TRACKING_RETRY_MAX_S": "1",
     "RAYDECK_TRACKING_FINISH_TIMEOUT_S": "60",
     "RAYDECK_LOG_LEVEL": "INFO",
     # Ray Train polls its workers every 2 s by default; 0.5 s saves seconds per job.

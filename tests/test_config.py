@@ -42,6 +42,11 @@ def test_env_overrides_toml_and_toml_overrides_defaults(tmp_path: Path) -> None:
         ({"RAYDECK_TRACKING_SHARDS": "two"}, "RAYDECK_TRACKING_SHARDS"),
         ({"RAYDECK_TRACKING_MODE": "everyone"}, "RAYDECK_TRACKING_MODE"),
         ({"RAYDECK_TRACKING_CAPTURE_LOGS": "maybe"}, "RAYDECK_TRACKING_CAPTURE_LOGS"),
+        # MLflow reads its request timeout as whole seconds.
+        ({"RAYDECK_TRACKING_MLFLOW_TIMEOUT_S": "0.5"}, "RAYDECK_TRACKING_MLFLOW_TIMEOUT_S"),
+        ({"RAYDECK_TRACKING_MLFLOW_TIMEOUT_S": "0"}, "RAYDECK_TRACKING_MLFLOW_TIMEOUT_S"),
+        ({"RAYDECK_TRACKING_RETRY_MAX_S": "0"}, "RAYDECK_TRACKING_RETRY_MAX_S"),
+        ({"RAYDECK_TRACKING_HEARTBEAT_INTERVAL_S": "-1"}, "RAYDECK_TRACKING_HEARTBEAT_INTERVAL_S"),
         ({"RAYDECK_RAY_ADDRESS": "http//nope"}, "RAYDECK_RAY_ADDRESS"),
         ({"RAYDECK_RUN_ID": "has spaces"}, "RAYDECK_RUN_ID"),
         ({"RAYDECK_S3_ENDPOINT": "http://s3:9000"}, "RAYDECK_S3_ENDPOINT"),

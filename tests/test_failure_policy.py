@@ -37,9 +37,10 @@ def test_mlflow_answers_are_classified_by_status(mlflow_server: MlflowServer,
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
-    from raydeck.tracking.writer import MLFLOW_REQUEST_ENV
+    from raydeck.tracking.writer import DEFAULT_REQUEST_TIMEOUT_S, mlflow_request_env
 
-    for name, value in MLFLOW_REQUEST_ENV.items():  # as the shard calls MLflow: no retries
+    # as the shard calls MLflow: no retries
+    for name, value in mlflow_request_env(DEFAULT_REQUEST_TIMEOUT_S).items():
         monkeypatch.setenv(name, value)
 
     client = MlflowClient(mlflow_server.uri)

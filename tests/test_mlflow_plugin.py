@@ -168,7 +168,8 @@ def test_a_silent_rank_starting_late_does_not_reopen_the_ended_run() -> None:
     sent: list[Control] = []
     config = ProxyConfig(namespace="test", tracking_uri="http://m", artifact_location="",
                          shards=1, writers=1, spool_dir="/nonexistent", fsync=False,
-                         lost_after_s=60.0, idle_timeout_s=900.0)
+                         lost_after_s=60.0, idle_timeout_s=900.0, heartbeat_interval_s=5.0,
+                         mlflow_timeout_s=20, retry_max_s=5.0)
     router = RouterCore(config, sent.append, lambda key, experiment: Lookup(known=True),
                         lambda everyone, quiet: set())
     assert router.attach(_train_worker(0)).active

@@ -15,17 +15,24 @@ from typing import Any
 
 import pytest
 
+from raydeck.config import load_settings
 from raydeck.tracking.dead_letters import DEAD_LETTERS_TAG
 from raydeck.tracking.messages import Batch, FileRef, OpenRun, ShardConfig
 from raydeck.tracking.shard import ShardCore
 from tests.fixtures.mlflow_server import MlflowServer
 
 
+def _config(tracking_uri: str, spool_dir: Path, writers: int, index: int = 0) -> ShardConfig:
+    """A shard's config as the proxy builds it from the session's settings."""
+    tracking = load_settings().tracking
+    return ShardConfig(index=index, tracking_uri=tracking_uri, spool_dir=str(spool_dir),
+                       fsync=False, writers=writers, mlflow_timeout_s=tracking.mlflow_timeout_s,
+                       retry_max_s=tracking.retry_max_s, env={})
+
+
 @pytest.fixture
 def shard(tmp_path: Path, mlflow_server: MlflowServer) -> Iterator[ShardCore]:
-    core = ShardCore(ShardConfig(index=0, tracking_uri=mlflow_server.uri,
-                                 spool_dir=str(tmp_path / "spool"), fsync=False, writers=4,
-                                 env={}))
+    core = ShardCore(_config(mlflow_server.uri, tmp_path / "spool", writers=4))
     yield core
     core.stop()
 
@@ -101,8 +108,7 @@ def test_a_refused_value_is_set_aside_alone_and_recorded_on_the_run(
 
 def test_a_restarted_shard_continues_from_its_spool(tmp_path: Path, mlflow_server: MlflowServer,
                                                      mlflow_client: Any) -> None:
-    config = ShardConfig(index=0, tracking_uri="http://127.0.0.1:9", spool_dir=str(
-        tmp_path / "spool"), fsync=False, writers=2, env={})
+    config = _config("http://127.0.0.1:9", tmp_path / "spool", writers=2)
     key = f"restart-{uuid.uuid4().hex[:8]}"
     down = ShardCore(config)  # MLflow "down": nothing listens on port 9
     _open(down, key)
@@ -145,8 +151,7 @@ def test_all_ranks_views_per_step(shard: ShardCore, mlflow_client: Any) -> None:
 
 def test_dead_letters_survive_a_restart_and_show_in_stats(tmp_path: Path,
                                                          mlflow_server: MlflowServer) -> None:
-    config = ShardConfig(index=1, tracking_uri=mlflow_server.uri,
-                         spool_dir=str(tmp_path / "spool"), fsync=False, writers=1, env={})
+    config = _config(mlflow_server.uri, tmp_path / "spool", writers=1, index=1)
     key = f"letters-{uuid.uuid4().hex[:8]}"
     first = ShardCore(config)
     _open(first, key)
@@ -162,3 +167,11 @@ def test_dead_letters_survive_a_restart_and_show_in_stats(tmp_path: Path,
         assert letters[0]["kind"] == "param" and letters[0]["key"] == "p"
     finally:
         second.stop()
+
+
+def test_retries_back_off_doubling_up_to_the_configured_cap() -> None:
+    from raydeck.tracking.run_queue import backoff_s
+
+    # RAYDECK_TRACKING_RETRY_MAX_S caps the wait; the default (5 s) after five failures in a row.
+    assert [backoff_s(n, 1.0) for n in range(1, 6)] == [0.25, 0.5, 1.0, 1.0, 1.0]
+    assert [backoff_s(n, 5.0) for n in (5, 6, 50)] == [4.0, 5.0, 5.0]

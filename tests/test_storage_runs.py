@@ -26,6 +26,7 @@ import pytest
 import requests
 
 from raydeck.config import Settings, load_settings
+from tests.conftest import TEST_ENV
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.processes import ManagedProcess, wait_until
 from tests.fixtures.s3_server import S3Server
@@ -88,6 +89,10 @@ def _driver_env(s3_server: S3Server, mlflow_uri: str, root: Path, key: str) -> d
         "RAYDECK_TRACKING_URI": mlflow_uri,
         "RAYDECK_TRACKING_EXPERIMENT": f"storage-{key}",
         "RAYDECK_TRACKING_IDLE_TIMEOUT_S": "20",
+        # The suite's short waits after a fault: the proxy tries an upload that failed while
+        # S3 was down again at most a second after it is back.
+        **{name: TEST_ENV[name] for name in ("RAYDECK_TRACKING_RETRY_MAX_S",
+                                             "RAYDECK_TRACKING_HEARTBEAT_INTERVAL_S")},
         # One shard is enough for one run and starts one process fewer on a small machine.
         "RAYDECK_TRACKING_SHARDS": "1",
         "RAYDECK_DATA_DIR": str(root / "data"),

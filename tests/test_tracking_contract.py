@@ -148,20 +148,34 @@ def test_mlflow_killed_and_restarted(proxy: tuple[MlflowServer, Settings]) -> No
 def test_mlflow_frozen_longer_than_every_client_timeout(proxy: tuple[MlflowServer, Settings]
                                                        ) -> None:
     import raydeck
-    from raydeck.tracking.writer import MLFLOW_REQUEST_ENV
 
     server, settings = proxy
+    # Every MLflow client of the proxy gives up after 5 s (the router's lookups too: theirs is
+    # the shorter of this and run_lookup.LOOKUP_TIMEOUT_S), so the freeze outlasts them all in
+    # seconds.
+    settings = dataclasses.replace(
+        settings, tracking=dataclasses.replace(settings.tracking, mlflow_timeout_s=5))
     tracker = raydeck.get_tracker(run_name="mlflow-frozen", settings=settings)
     second = _SecondRun(settings, "mlflow-frozen-neighbour")
     _log_range(tracker, "x", 0, 500)
     tracker.flush()
-    freeze_s = float(MLFLOW_REQUEST_ENV["MLFLOW_HTTP_REQUEST_TIMEOUT"]) + 5
+    freeze_s = settings.tracking.mlflow_timeout_s + 3
+    errors_before = sum(s["write_errors"] for s in _shards(settings))
     assert server.process is not None
     server.process.signal(signal.SIGSTOP)
     try:
         frozen_until = time.monotonic() + freeze_s
         step = 500
-        while time.monotonic() < frozen_until:  # keeps logging through the freeze
+
+        def writes_timed_out() -> bool:
+            # A frozen server still accepts connections (the kernel does): every write that
+            # failed meanwhile waited out its timeout.
+            return sum(s["write_errors"] for s in _shards(settings)) > errors_before
+
+        # Keeps logging through the freeze, until it is longer than every client timeout and
+        # a write of the shard has timed out.
+        while time.monotonic() < frozen_until or not writes_timed_out():
+            assert time.monotonic() < frozen_until + 60, "no MLflow request timed out"
             _log_range(tracker, "x", step, step + 100)
             second.log(10)
             tracker.flush()

@@ -130,6 +130,12 @@ class TrackingSettings(_Section):
     spool_fsync: bool = setting(False, "fsync the spool on every batch (survives a power cut)")
     finish_timeout_s: float = setting(60.0, "finish() waits this long for data to land")
     lost_after_s: float = setting(60.0, "A process silent this long is presumed dead")
+    heartbeat_interval_s: float = setting(
+        5.0, "How often a process tells the proxy it lives; Ray is asked about one silent 2.5x")
+    mlflow_timeout_s: int = setting(
+        20, "Seconds an MLflow request of the proxy may take before it fails and is retried")
+    retry_max_s: float = setting(
+        5.0, "Longest wait between two tries of a failed write (backoff doubles up to it)")
     idle_timeout_s: float = setting(900.0, "The proxy stops itself after this long with no work")
     system_metrics_interval_s: float = setting(10.0, "System metrics sampling period; 0 is off")
     capture_logs: bool = setting(
@@ -160,9 +166,12 @@ class TrackingSettings(_Section):
             raise self._reject("max_buffer_mb", "must be > 0")
         if self.buffer_full_wait_s < 0:
             raise self._reject("buffer_full_wait_s", "must be >= 0 seconds")
-        for name in ("flush_interval_s", "finish_timeout_s", "lost_after_s", "idle_timeout_s"):
+        for name in ("flush_interval_s", "finish_timeout_s", "lost_after_s", "idle_timeout_s",
+                     "heartbeat_interval_s", "retry_max_s"):
             if getattr(self, name) <= 0:
                 raise self._reject(name, "must be > 0 seconds")
+        if self.mlflow_timeout_s < 1:  # MLflow reads MLFLOW_HTTP_REQUEST_TIMEOUT as whole seconds
+            raise self._reject("mlflow_timeout_s", "must be >= 1 (whole seconds)")
         if self.system_metrics_interval_s < 0:
             raise self._reject("system_metrics_interval_s", "must be >= 0 (0 turns it off)")
 

@@ -44,13 +44,11 @@ from raydeck.tracking.messages import (
     RunBinding,
 )
 from raydeck.tracking.proxy import get_router, get_shard
-from raydeck.tracking.router import HEARTBEAT_INTERVAL_S
 
 logger = logging.getLogger(__name__)
 
 DELIVERY_TIMEOUT_S = 30.0
 ROUTER_CALL_TIMEOUT_S = 60.0
-RETRY_BACKOFF_MAX_S = 5.0
 UPLOAD_CHUNK_BYTES = 4 * 1024 * 1024
 POINT_BYTES = 64  # what one buffered point costs, roughly, besides its key
 MAX_BATCH_LOG_BYTES = 1024 * 1024
@@ -93,6 +91,8 @@ class Delivery:
         self._batch_points = tracking.max_batch_points
         self._full_wait_s = tracking.buffer_full_wait_s
         self._flush_interval_s = tracking.flush_interval_s
+        self._retry_max_s = tracking.retry_max_s
+        self._heartbeat_interval_s = tracking.heartbeat_interval_s
         self._lock = threading.RLock()
         self._room = threading.Condition(self._lock)
         self._send_lock = threading.Lock()
@@ -103,6 +103,7 @@ class Delivery:
         self._dropped_reported = 0
         self._last_drop_warning = 0.0
         self._warned_unavailable = False
+        self._last_failure = ""  # why the latest delivery attempt failed; "" after a success
         self._staging = Path(tempfile.gettempdir()) / f"raydeck-staging-{os.getpid()}" / (
             request.client_id)
         self._router: Any = None
@@ -310,9 +311,19 @@ class Delivery:
             return batch, staged
 
     def _deliver_all(self, deadline: float) -> None:
-        """Send until the buffer is empty; retry with backoff until ``deadline``."""
+        """Send until the buffer is empty; retry with backoff until ``deadline``.
+
+        One sender at a time: a caller waits for the flusher thread's retries only until its
+        own ``deadline`` (the flusher's is ``DELIVERY_TIMEOUT_S`` away), then fails with the
+        flusher's latest reason, as if it had tried itself.
+        """
+        if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TrackingUnavailableError(
+                f"tracking proxy did not take the data of run {self._request.run_key} "
+                f"({self._last_failure or 'another delivery still running'}); "
+                f"{self.buffered().describe()} still buffered in this process")
         delay = 0.1
-        with self._send_lock:
+        try:
             while True:
                 try:
                     if self._unacked is None:
@@ -326,9 +337,11 @@ class Delivery:
                         shutil.rmtree(path.parent, ignore_errors=True)
                     delay = 0.1
                     self._warned_unavailable = False
+                    self._last_failure = ""
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
                         ray.exceptions.RaySystemError, ray.exceptions.RayTaskError) as exc:
                     reason = _reason(exc)
+                    self._last_failure = reason
                     if time.monotonic() >= deadline:
                         raise TrackingUnavailableError(
                             f"tracking proxy did not take the data of run "
@@ -339,8 +352,10 @@ class Delivery:
                         self._warned_unavailable = True
                         logger.warning("tracking proxy not taking data (%s); retrying", reason)
                     time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-                    delay = min(RETRY_BACKOFF_MAX_S, delay * 2)
+                    delay = min(self._retry_max_s, delay * 2)
                     self.reconnect()
+        finally:
+            self._send_lock.release()
 
     def _send(self, batch: Batch, staged: list[Path], deadline: float) -> None:
         shard = self.shard()
@@ -390,7 +405,7 @@ class Delivery:
             if self._closed.is_set():
                 return
             if self._binding is None and self.attach(ROUTER_CALL_TIMEOUT_S) is None:
-                self._closed.wait(RETRY_BACKOFF_MAX_S)
+                self._closed.wait(self._retry_max_s)
                 continue
             try:
                 self._collect()
@@ -403,7 +418,7 @@ class Delivery:
     def _heartbeat_forever(self) -> None:
         """Tell the router this process lives. A thread of its own, so a slow delivery never
         makes a live process look dead."""
-        while not self._closed.wait(HEARTBEAT_INTERVAL_S):
+        while not self._closed.wait(self._heartbeat_interval_s):
             try:
                 self._heartbeat()
             except Exception as exc:

@@ -231,6 +231,8 @@ class ShardConfig:
     spool_dir: str
     fsync: bool
     writers: int
+    mlflow_timeout_s: int
+    retry_max_s: float
     env: dict[str, str] = field(repr=False)
 
 

@@ -77,6 +77,9 @@ def proxy_config(settings: Settings) -> ProxyConfig:
         fsync=tracking.spool_fsync,
         lost_after_s=tracking.lost_after_s,
         idle_timeout_s=tracking.idle_timeout_s,
+        heartbeat_interval_s=tracking.heartbeat_interval_s,
+        mlflow_timeout_s=tracking.mlflow_timeout_s,
+        retry_max_s=tracking.retry_max_s,
         env=secret_env(settings.storage),
     )
 
@@ -92,11 +95,13 @@ class Router:
                                 **ACTOR_OPTIONS).remote(
                 ShardConfig(index=i, tracking_uri=config.tracking_uri,
                             spool_dir=f"{config.spool_dir}/shard-{i}", fsync=config.fsync,
-                            writers=config.writers, env=config.env)
+                            writers=config.writers, mlflow_timeout_s=config.mlflow_timeout_s,
+                            retry_max_s=config.retry_max_s, env=config.env)
             )
             for i in range(config.shards)
         ]
-        self.core = RouterCore(config, self._send, MlflowLookup(config.tracking_uri),
+        self.core = RouterCore(config, self._send,
+                               MlflowLookup(config.tracking_uri, config.mlflow_timeout_s),
                                ray_liveness)
         from raydeck.tracking.metrics import RouterMetrics
 

@@ -44,8 +44,8 @@ from raydeck.tracking.run_lookup import Lookup, looks_like_run_id
 logger = logging.getLogger(__name__)
 
 REAP_INTERVAL_S = 1.0
-HEARTBEAT_INTERVAL_S = 5.0
-SUSPECT_AFTER_S = 2.5 * HEARTBEAT_INTERVAL_S
+# A participant silent for this many heartbeat intervals is a suspect: Ray is asked about it.
+SUSPECT_AFTER_BEATS = 2.5
 RANK_TAGS = ("raydeck.rank", "raydeck.node", "raydeck.role")
 
 
@@ -66,6 +66,9 @@ class ProxyConfig:
     fsync: bool
     lost_after_s: float
     idle_timeout_s: float
+    heartbeat_interval_s: float
+    mlflow_timeout_s: int
+    retry_max_s: float
     env: dict[str, str] = field(default_factory=dict, repr=False)
 
 
@@ -415,7 +418,8 @@ class RouterCore:
         now = time.monotonic()
         with self._lock:
             everyone = [p for run in self._runs.values() for p in run.participants.values()]
-        suspects = [p.process for p in everyone if now - p.last_seen > SUSPECT_AFTER_S]
+        suspect_after_s = SUSPECT_AFTER_BEATS * self.config.heartbeat_interval_s
+        suspects = [p.process for p in everyone if now - p.last_seen > suspect_after_s]
         gone = self._gone([p.process for p in everyone], suspects) if everyone else set()
         controls: list[Control] = []
         with self._lock:

@@ -18,13 +18,10 @@ from raydeck.tracking.writer import MlflowWriter, PermanentWriteError, Transient
 logger = logging.getLogger(__name__)
 
 LOOKUP_BACKOFF_S = 10.0
-# The router's own MLflow calls (looking a run key up when a tracker attaches) fail fast: an
-# unknown answer is fine, the shard creates or finds the run later.
-ROUTER_MLFLOW_ENV = {
-    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
-    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
-}
+# The router's own MLflow calls (looking a run key up when a tracker attaches) fail fast, within
+# this or the shards' request timeout if that is shorter: an unknown answer is fine, the shard
+# creates or finds the run later.
+LOOKUP_TIMEOUT_S = 5
 
 
 @dataclass(frozen=True)
@@ -41,10 +38,10 @@ class Lookup:
 class MlflowLookup:
     """Finds run keys in MLflow for the router: fast, and silent while MLflow is down."""
 
-    def __init__(self, tracking_uri: str) -> None:
-        os.environ.update(ROUTER_MLFLOW_ENV)
-        self._writer = MlflowWriter(tracking_uri)
-        os.environ.update(ROUTER_MLFLOW_ENV)  # the writer sets its own; the router's win here
+    def __init__(self, tracking_uri: str, request_timeout_s: int) -> None:
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+        self._writer = MlflowWriter(tracking_uri,
+                                    request_timeout_s=min(LOOKUP_TIMEOUT_S, request_timeout_s))
         self._failed_at = 0.0
 
     def __call__(self, key: str, experiment: str) -> Lookup:

@@ -30,7 +30,6 @@ MAX_METRICS_PER_CALL = 1000
 MAX_PARAMS_TAGS_PER_CALL = 100
 WINDOW_ENTITIES = 256
 BACKOFF_FIRST_S = 0.25
-BACKOFF_MAX_S = 5.0
 # A run's console text is uploaded this often, or once this much has gathered.
 LOG_UPLOAD_INTERVAL_S = 30.0
 LOG_PART_MIN_BYTES = 1024 * 1024
@@ -135,8 +134,10 @@ def batch_entities(batch: Batch) -> list[NewEntity]:
     return out
 
 
-def backoff_s(attempts: int) -> float:
-    return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * (2 ** min(attempts - 1, 8)))
+def backoff_s(attempts: int, max_s: float) -> float:
+    """The wait after the ``attempts``-th failure in a row: doubling from
+    :data:`BACKOFF_FIRST_S`, never longer than ``max_s`` (``RAYDECK_TRACKING_RETRY_MAX_S``)."""
+    return min(max_s, BACKOFF_FIRST_S * (2 ** min(attempts - 1, 8)))
 
 
 def sum_pending(items: list[Pending]) -> Pending:

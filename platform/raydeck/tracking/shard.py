@@ -105,7 +105,7 @@ class ShardCore:
         os.environ.update(config.env)
         self.config = config
         self.spool = Spool(Path(config.spool_dir), fsync=config.fsync)
-        self.writer = MlflowWriter(config.tracking_uri)
+        self.writer = MlflowWriter(config.tracking_uri, request_timeout_s=config.mlflow_timeout_s)
         self.metrics = ShardMetrics(config.index)
         self.received = 0
         self.written = 0
@@ -470,7 +470,8 @@ class ShardCore:
                 [entity_id] = work.ids
                 attempts, first, _ = run.file_retry.get(entity_id, (0, now, 0.0))
                 attempts += 1
-                run.file_retry[entity_id] = (attempts, first, now + backoff_s(attempts))
+                run.file_retry[entity_id] = (
+                    attempts, first, now + backoff_s(attempts, self.config.retry_max_s))
                 if (answered and attempts >= REFUSED_FILE_ATTEMPTS
                         and self.writes.last_upload_ok > first):
                     give_up[entity_id] = (
@@ -478,7 +479,7 @@ class ShardCore:
                         f"while it accepted other files: {reason}")
             else:
                 run.attempts += 1
-                run.backoff_until = now + backoff_s(run.attempts)
+                run.backoff_until = now + backoff_s(run.attempts, self.config.retry_max_s)
             first_failure = not run.warned
             run.warned = reason
             run.last_error = reason

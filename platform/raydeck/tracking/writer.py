@@ -25,6 +25,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from raydeck.config import TrackingSettings
 from raydeck.redaction import quiet_mlflow_urls
 from raydeck.tracking.messages import DatasetRef, Point
 
@@ -34,9 +35,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# MLflow's client retries a failed request for minutes by default; the shard has its own retry
-# loop with a visible backlog, so each request fails fast and the loop decides.
-MLFLOW_REQUEST_ENV = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+# The writer's request timeout unless its caller names one (the proxy's shards pass
+# RAYDECK_TRACKING_MLFLOW_TIMEOUT_S): the setting's default, declared once in raydeck.config.
+DEFAULT_REQUEST_TIMEOUT_S: int = TrackingSettings.mlflow_timeout_s
 RUN_KEY_TAG = "raydeck.run_key"
 MODE_TAG = "raydeck.mode"
 
@@ -55,6 +56,14 @@ _ANSWERED_IN_TEXT = re.compile(r"too many \d{3} error responses|Response body|er
 
 
 _MLFLOW_IMPORT_LOCK = threading.Lock()
+
+
+def mlflow_request_env(timeout_s: int) -> dict[str, str]:
+    """MLflow's client settings for raydeck's own calls: each request fails after ``timeout_s``
+    and MLflow does not retry it. MLflow's client retries a failed request for minutes by
+    default; the shard has its own retry loop with a visible backlog, so each request fails
+    fast and the loop decides."""
+    return {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": str(timeout_s)}
 
 
 def mlflow_client_api() -> ModuleType:
@@ -222,8 +231,11 @@ def _store_init_lock(tracking_uri: str) -> Iterator[None]:
 class MlflowWriter:
     """Writes to one MLflow tracking server. Thread-safe: the shard's writers share it."""
 
-    def __init__(self, tracking_uri: str, policy: FailurePolicy | None = None) -> None:
-        os.environ.update(MLFLOW_REQUEST_ENV)
+    def __init__(self, tracking_uri: str, policy: FailurePolicy | None = None,
+                 request_timeout_s: int = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+        # MLflow reads these per request from the process's environment: one timeout per
+        # process (a shard, the router, the queue actor), set by the writer it makes.
+        os.environ.update(mlflow_request_env(request_timeout_s))
         self._mlflow = mlflow_client_api()
         quiet_mlflow_urls(tracking_uri)
         self.tracking_uri = tracking_uri
