@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from raydeck.cli.main import app
 from raydeck.errors import ConfigError
 from raydeck.scheduling import client
-from raydeck.scheduling.configuration import ConfigChange, parse_thresholds
+from raydeck.scheduling.config_change import ConfigChange, parse_thresholds
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.listing import Entry
 from raydeck.scheduling.policies import Resources

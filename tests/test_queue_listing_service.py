@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from raydeck.cli.main import app
 from raydeck.scheduling import client
-from raydeck.scheduling.configuration import ConfigChange
+from raydeck.scheduling.config_change import ConfigChange
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.listing import Entry
 from raydeck.scheduling.policies import Resources

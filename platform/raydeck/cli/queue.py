@@ -75,7 +75,7 @@ def queue(
 
     from raydeck.errors import ConfigError
     from raydeck.scheduling.client import listing
-    from raydeck.scheduling.configuration import ConfigChange, parse_thresholds
+    from raydeck.scheduling.config_change import ConfigChange, parse_thresholds
 
     settings, server = _context(address)
     team_specs = None

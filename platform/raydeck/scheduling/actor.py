@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from raydeck.errors import ConfigError, RaydeckError
 from raydeck.jobs import JobServer
 from raydeck.preemption import QUEUE_ACTOR_NAME
-from raydeck.scheduling.configuration import ConfigChange
+from raydeck.scheduling.config_change import ConfigChange
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.launcher import Observer
 

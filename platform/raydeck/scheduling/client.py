@@ -25,7 +25,7 @@ from raydeck.config import Settings
 from raydeck.errors import ClusterUnavailableError, ConfigError
 from raydeck.jobs import JobRequest, JobServer, submitted_metadata, submitted_runtime_env
 from raydeck.scheduling.actor import ACTOR_NAME, answer, queue_handle
-from raydeck.scheduling.configuration import ConfigChange
+from raydeck.scheduling.config_change import ConfigChange
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.job_view import JobView
 from raydeck.scheduling.jobspec import DEFAULT_TEAM, JobSpec

@@ -64,7 +64,8 @@ from typing import Any
 from raydeck.errors import ConfigError
 from raydeck.scheduling import access
 from raydeck.scheduling import preemption_rules as rules
-from raydeck.scheduling.configuration import ConfigChange, QueueConfig
+from raydeck.scheduling.config_change import ConfigChange
+from raydeck.scheduling.configuration import QueueConfig
 from raydeck.scheduling.failures import Backoff, classify
 from raydeck.scheduling.history import CachedHistory, predict
 from raydeck.scheduling.identity import Identity
