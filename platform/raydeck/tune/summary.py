@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,8 @@ BEST_CONFIG_TAG = "raydeck.best_config"
 BEST_TRIAL_ARTIFACT = "sweep/best_trial.json"
 MAX_TAG_CHARS = 8000
 SWEEP_STATE_TAG = "raydeck.sweep_state"
+# How often the summary reads a child run's status while its end is on its way to MLflow.
+END_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
@@ -149,7 +152,9 @@ def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
 
     Trials that ended in this driver were ended as they did (those calls are awaited here);
     others (ended under an earlier driver) are ended now. A run the tracking proxy does not
-    know (it was restarted meanwhile) is ended directly in MLflow.
+    know (it was restarted meanwhile), or whose end the proxy has not written to MLflow within
+    ``END_RUN_TIMEOUT_S``, is ended directly in MLflow: when the sweep returns, every child
+    run it recorded shows its final status.
     """
     import ray
 
@@ -157,6 +162,7 @@ def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
     pending = {trial_id: monitor.ending(trial_id, outcome) or end_child_run(
         config, monitor.namespace, trial_id, outcome, wait_s=None)
         for trial_id, outcome in outcomes.items()}
+    deadline = time.monotonic() + END_RUN_TIMEOUT_S
     refs = [ref for ref in pending.values() if ref is not None]
     if refs:
         ray.wait(refs, num_returns=len(refs), timeout=END_RUN_TIMEOUT_S)
@@ -167,6 +173,10 @@ def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
         except Exception:
             known = False
         child = children.get(trial_id)
+        if known and child is not None:
+            # The router has handed the end to the run's shard; it is in MLflow once the shard
+            # has written it, normally within a flush interval.
+            known = _ended_in_mlflow(client, child.info.run_id, deadline)
         if not known and child is not None:
             outcome = outcomes[trial_id]
             for key, value in outcome.tags().items():
@@ -175,6 +185,16 @@ def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
         if known or child is not None:
             recorded.append(trial_id)
     return recorded
+
+
+def _ended_in_mlflow(client: Any, run_id: str, deadline: float) -> bool:
+    """Whether MLflow shows run ``run_id`` ended, waiting for it until ``deadline``."""
+    while True:
+        if client.get_run(run_id).info.status != "RUNNING":
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(END_POLL_S)
 
 
 def _final_outcome(result: Any, trial_id: str, iteration: int, monitor: SweepMonitor,
