@@ -91,13 +91,17 @@ class Cluster:
         return self.workdir.parent / f"release-{name}"
 
     def digits(self, name: str, preset: str, team: str, priority: int, epochs: int,
-               job: str = "digits_torch.py") -> str:
+               job: str = "digits_torch.py", gate: Path | None = None) -> str:
         """Queue a real digits job (``job``: jobs/digits_torch.py or digits_lightning.py); its
-        run is tagged ``name``."""
+        run is tagged ``name``. ``gate``: its workers train once that file exists
+        (tests/fixtures/gated_digits.py)."""
+        kind = "lightning" if "lightning" in job else "torch"
+        entry = ["gated_digits.py", "--queue"] if gate else [job, "--queue"]
         return _ok(self.cli(
-            "submit", job, "--queue", "--no-check", "--runtime-env",
+            "submit", *entry, "--no-check", "--runtime-env",
             "runtime.yaml", "--preset", preset, "--run-name", name, "--run-id", name, "--team",
-            team, "--priority", str(priority), "--", "--epochs", str(epochs)))
+            team, "--priority", str(priority), "--", *([kind, str(gate)] if gate else []),
+            "--epochs", str(epochs)))
 
     @cached_property
     def jobs(self) -> Any:
@@ -133,7 +137,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, raydeck_env: dict[str, str
     root = tmp_path_factory.mktemp("queue")
     workdir = root / "work"
     workdir.mkdir()
-    shutil.copy(FIXTURES / "queue_job.py", workdir / "queue_job.py")
+    for fixture in ("queue_job.py", "gated_digits.py"):
+        shutil.copy(FIXTURES / fixture, workdir / fixture)
     shutil.copy(REPO / "jobs" / "digits_torch.py", workdir / "digits_torch.py")
     shutil.copy(REPO / "jobs" / "digits_lightning.py", workdir / "digits_lightning.py")
     (workdir / "runtime.yaml").write_text("working_dir: .\n")
@@ -390,14 +395,20 @@ def test_low_priority_jobs_are_preempted_at_a_checkpoint_and_resume_in_their_run
     it: the PyTorch digits job (``report_epoch`` says stop) and the Lightning one (raydeck's
     callback stops the trainer)."""
     _ok(cluster.cli("queue", "--policy", "priority"))
-    # Both start together, and each must still be running when the other has committed its
-    # first checkpoint: the Lightning job takes up to two minutes to start here, and a PyTorch
-    # job of 60 epochs once finished before that (seen in a full run), so the PyTorch job has
-    # 120.
-    epochs = {"pre-low": 120, "pre-lit": 40}
-    cluster.digits("pre-low", "d3", "c", 0, epochs["pre-low"])
-    cluster.digits("pre-lit", "d3", "c", 0, epochs["pre-lit"], job="digits_lightning.py")
-    wait_until(lambda: all(_latest_epoch(mlflow_client, job) >= 1 for job in epochs), 300,
+    # Each must still be running when the other has committed its first checkpoint: their
+    # workers wait at a gate until both are up (a Lightning worker group takes up to two
+    # minutes to start here, a PyTorch one seconds), then train from the same moment.
+    epochs = {"pre-low": 40, "pre-lit": 24}
+    gate = cluster.release_file("preemption")
+    cluster.digits("pre-low", "d3", "c", 0, epochs["pre-low"], gate=gate)
+    cluster.digits("pre-lit", "d3", "c", 0, epochs["pre-lit"], job="digits_lightning.py",
+                   gate=gate)
+    _explained(cluster, lambda: all(Path(f"{gate}.{kind}.0").exists()
+                                    for kind in ("torch", "lightning")), 300,
+               "both low-priority jobs' workers to reach the gate",
+               *(f"raydeck-{job}" for job in epochs))
+    gate.touch()
+    wait_until(lambda: all(_latest_epoch(mlflow_client, job) >= 1 for job in epochs), 120,
                "both low-priority jobs to commit a checkpoint", interval_s=SERVER_POLL_S)
     cluster.digits("pre-high", "d8", "c", 5, 3)
     asked_at = time.time()
