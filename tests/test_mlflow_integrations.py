@@ -1,5 +1,6 @@
 """MLflow's own integrations, unchanged but for a ``raydeck+`` tracking URI, against a real
-MLflow server: Lightning's ``MLFlowLogger`` in a 2-worker Ray Train job, Ray Tune's
+MLflow server: Lightning's ``MLFlowLogger`` in a 2-worker Ray Train job,
+``mlflow.pytorch.autolog()`` around a Lightning fit (its params, metrics and model), Ray Tune's
 ``MLflowLoggerCallback`` and ``setup_mlflow`` in an ASHA sweep, ``MlflowClient().log_batch`` from
 Ray actors, and a plain ``mlflow.log_metric`` loop (``jobs/mlflow_loop.py``) while its MLflow
 server is SIGKILLed. Every metric, param and tag lands once at its step, each run ends with the
@@ -180,3 +181,37 @@ def test_a_plain_mlflow_loop_keeps_every_point_while_mlflow_is_sigkilled(
     for key in ("loss", "accuracy"):
         _assert_once_each(client, run_id, key, list(range(steps)))
     assert [r.info.run_id for r in _runs(client, "Default")] == [run_id]
+
+
+@pytest.mark.timeout(300)
+def test_pytorch_autolog_around_a_lightning_fit_logs_one_finished_run_and_its_model(
+        ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any,
+        tmp_path: Path) -> None:
+    experiment = f"autolog-{uuid.uuid4().hex[:6]}"
+    epochs = 2
+    proc = driver_process(
+        "import runpy, sys\n"
+        f"sys.argv = ['mlflow_integrations', 'autolog', '{experiment}', '{epochs}']\n"
+        "runpy.run_module('tests.fixtures.mlflow_integrations', run_name='__main__')\n",
+        env={"MLFLOW_TRACKING_URI": f"raydeck+{mlflow_server.uri}",
+             "RAYDECK_DATA_DIR": str(tmp_path)})
+    try:
+        run_id = read_line_with(proc, "RESULT")
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()[-3000:] if proc.stderr else ""
+    finally:
+        proc.kill()
+    wait_until(lambda: mlflow_client.get_run(run_id).info.status == "FINISHED",
+               RUN_END_TIMEOUT_S, "the autolog run to end")
+    run = mlflow_client.get_run(run_id)
+    # Autolog's params (the fit's and the optimizer's), each epoch's metrics once at its epoch.
+    assert {k: run.data.params[k] for k in ("epochs", "optimizer_name", "lr")} == {
+        "epochs": str(epochs), "optimizer_name": "SGD", "lr": str(integrations.LEARNING_RATE)}
+    for key in ("train_loss", "val_loss"):
+        _assert_once_each(mlflow_client, run_id, key, list(range(epochs)))
+    # Its artifacts went through the raydeck+ URI too: the model summary, and the model.
+    assert "model_summary.txt" in {a.path for a in mlflow_client.list_artifacts(run_id)}
+    [model] = run.outputs.model_outputs
+    assert mlflow_client.get_logged_model(model.model_id).status.name == "READY"
+    assert "MLmodel" in {a.path for a in mlflow_client.list_logged_model_artifacts(
+        model.model_id)}
+    assert [r.info.run_id for r in _runs(mlflow_client, experiment)] == [run_id]
