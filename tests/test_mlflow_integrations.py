@@ -1,5 +1,6 @@
 """MLflow's own integrations, unchanged but for a ``raydeck+`` tracking URI, against a real
-MLflow server: Lightning's ``MLFlowLogger`` in a 2-worker Ray Train job,
+MLflow server: Lightning's ``MLFlowLogger`` in a 2-worker Ray Train job (its MLflow server
+SIGKILLed mid-training),
 ``mlflow.pytorch.autolog()`` around a Lightning fit (its params, metrics and model), Ray Tune's
 ``MLflowLoggerCallback`` and ``setup_mlflow`` in an ASHA sweep, ``MlflowClient().log_batch`` from
 Ray actors, and a plain ``mlflow.log_metric`` loop (``jobs/mlflow_loop.py``) while its MLflow
@@ -11,6 +12,7 @@ code is in :mod:`tests.fixtures.mlflow_integrations`.
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,33 +55,65 @@ def _assert_once_each(client: Any, run_id: str, key: str, steps: list[int]) -> N
 
 
 @pytest.mark.timeout(600)
-def test_lightning_mlflow_logger_in_a_ray_train_job_logs_one_run(
-        ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any,
-        tmp_path: Path) -> None:
+def test_lightning_mlflow_logger_in_a_ray_train_job_keeps_every_step_while_mlflow_is_killed(
+        ray_cluster: None, killable_mlflow: MlflowServer, tmp_path: Path) -> None:
+    """Lightning's own logger in a 2-worker Ray Train job; MLflow SIGKILLed after step 2 and
+    kept down until rank 0 has trained its last step: training never waits on it, and the
+    run, ended once MLflow is back, has every step once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlflow.tracking import MlflowClient
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    from raydeck.tracking.proxy import stop_proxy
+
+    client = MlflowClient(killable_mlflow.uri)
     experiment = f"lightning-{uuid.uuid4().hex[:6]}"
-    epochs = 2
-    TorchTrainer(integrations.lightning_train_loop,
-                 train_loop_config={"uri": f"raydeck+{mlflow_server.uri}",
-                                    "experiment": experiment, "epochs": epochs},
-                 scaling_config=ScalingConfig(num_workers=2),
-                 run_config=RunConfig(name=experiment, storage_path=str(tmp_path))).fit()
-    runs = _runs(mlflow_client, experiment)
+    namespace = f"raydeck-test-{uuid.uuid4().hex[:8]}"  # a proxy of its own for this server
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    epochs = 5
+    trainer = TorchTrainer(
+        integrations.lightning_train_loop,
+        train_loop_config={"uri": f"raydeck+{killable_mlflow.uri}", "experiment": experiment,
+                           "epochs": epochs, "gate": str(gate), "namespace": namespace},
+        scaling_config=ScalingConfig(num_workers=2),
+        run_config=RunConfig(name=experiment, storage_path=str(tmp_path / "train")))
+    with ThreadPoolExecutor(1) as pool:
+        fitted = pool.submit(trainer.fit)
+        try:
+            wait_until(lambda: (gate / "paused").exists() or fitted.done(), 300,
+                       "rank 0 to pause after its second step")
+            killable_mlflow.kill()
+            killed_at = time.monotonic()
+            (gate / "go").touch()
+            wait_until(lambda: (gate / "trained").exists() or fitted.done(), 120,
+                       "rank 0 to train its last step with MLflow down")
+            down_s = time.monotonic() - killed_at
+        finally:
+            (gate / "go").touch()
+            if not killable_mlflow.alive():
+                killable_mlflow.start()
+        fitted.result(timeout=300)
+    stop_proxy(namespace, 60)
+    assert (gate / "trained").exists()
+    runs = _runs(client, experiment)
     assert len(runs) == 1, [(r.info.run_id, r.info.run_name) for r in runs]
-    run = mlflow_client.get_run(runs[0].info.run_id)
-    wait_until(lambda: mlflow_client.get_run(run.info.run_id).info.status == "FINISHED",
-               RUN_END_TIMEOUT_S, "the Lightning run to end")
-    run_id = run.info.run_id
+    run_id = runs[0].info.run_id
+    wait_until(lambda: client.get_run(run_id).info.status == "FINISHED", RUN_END_TIMEOUT_S,
+               "the Lightning run to end")
+    run = client.get_run(run_id)
     # Each worker sees half the samples: 2 batches per epoch, one global step per batch.
     steps_per_epoch = integrations.LIGHTNING_SAMPLES // integrations.LIGHTNING_BATCH_SIZE // 2
     # Every step of rank 0 once; validation at each epoch's last step; hparams once.
-    _assert_once_each(mlflow_client, run_id, "train_loss", list(range(steps_per_epoch * epochs)))
-    _assert_once_each(mlflow_client, run_id, "val_loss",
+    _assert_once_each(client, run_id, "train_loss", list(range(steps_per_epoch * epochs)))
+    _assert_once_each(client, run_id, "val_loss",
                       [steps_per_epoch * (e + 1) - 1 for e in range(epochs)])
     assert run.data.params["lr"] == str(integrations.LEARNING_RATE)
     assert run.data.tags["raydeck.run_key"] == experiment
+    print(f"\nLightning with MLflow killed: down {down_s:.1f} s while rank 0 trained steps "
+          f"{integrations.PAUSE_AT_STEP + 1}-{steps_per_epoch * epochs - 1}")
 
 
 @pytest.mark.timeout(300)
