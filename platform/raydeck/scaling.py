@@ -11,10 +11,13 @@ share one GPU exactly (Ray packs fractional requests onto the same device). Othe
 
 Elastic presets: ``num_workers`` may be a range ``(min_workers, max_workers)`` (``[1, 4]`` in a
 presets file), as in Ray Train v2's own ``ScalingConfig(num_workers=(min, max))``. Ray Train then
-starts with as many workers as the cluster has room for (at least the minimum), grows the worker
-group when room appears (checked every ``elastic_resize_monitor_interval_s``) and restarts it
-smaller from the latest checkpoint when workers are lost. Such a preset is feasible when its
-minimum can ever be placed.
+starts with as many workers as its share of the cluster holds (at least the minimum), grows the
+worker group when that share grows (checked every ``elastic_resize_monitor_interval_s``) and
+restarts it smaller from the latest checkpoint when workers are lost. Ray 2.60 computes the share
+from the nodes' total resources, divided among the elastic jobs and Ray Data; work that holds
+resources outside them (a fixed-size job, a placement group) is not subtracted, so an elastic job
+may wait for them like a fixed one. Such a preset is feasible when its minimum can ever be
+placed.
 
 Each preset also carries its fault-tolerance defaults: how many worker-group restarts Ray Train
 makes from the latest checkpoint (``max_failures``, Ray's ``FailureConfig``) and how many
