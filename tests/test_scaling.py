@@ -32,7 +32,8 @@ def test_every_builtin_preset_resolves_to_rays_scaling_config(name: str) -> None
     preset = get_preset(name)
     config = preset.scaling_config()
     assert isinstance(config, ScalingConfig)
-    assert config.num_workers == preset.num_workers >= 1
+    assert config.num_workers == preset.num_workers and preset.min_workers >= 1
+    assert config.elasticity_enabled == preset.elastic
     assert config.placement_strategy == preset.placement_strategy
     assert config.use_gpu == (preset.gpus_per_worker > 0)
     assert config.resources_per_worker["CPU"] == preset.cpus_per_worker

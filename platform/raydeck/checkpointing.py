@@ -19,6 +19,12 @@ Why epochs land exactly once after a worker dies:
    commit and sending them, they land now.
 
 Epochs after the restored checkpoint are re-run and logged as new.
+
+Why the world size is logged with every checkpoint: an elastic job (a preset with a worker range,
+:mod:`raydeck.scaling`) is resized by Ray Train as a restart from the latest checkpoint, at a
+new world size. Each rank stores ``raydeck/world_size`` with its checkpoint's points, so it lands
+exactly once per checkpoint like the metrics, and the run's history shows the size each epoch
+(each logged step, for Lightning) was trained at: a resize is a change in that series.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ CHECKPOINT_TAG_PREFIX = "raydeck.checkpoint."
 # How long a worker waits for Ray Train to commit a checkpoint before logging its epoch anyway
 # (a warning says so): committing takes one controller poll once every worker has reported.
 COMMIT_TIMEOUT_S = 600.0
+WORLD_SIZE_METRIC = "raydeck/world_size"
 
 MetricPoint = tuple[str, float, int, int]
 """One logged value: ``(key, value, timestamp_ms, step)``."""
@@ -146,6 +153,12 @@ def _rank() -> int:
     return int(ray.train.get_context().get_world_rank())
 
 
+def _world_size() -> int:
+    import ray.train
+
+    return int(ray.train.get_context().get_world_size())
+
+
 def report_epoch(
     tracker: Tracker,
     metrics: dict[str, float],
@@ -203,7 +216,8 @@ def report_checkpoint(
         metrics: reported to Ray Train (``Result.metrics``, with ``epoch`` added); plain numbers.
         epoch: the finished epoch.
         points: what to log to the tracker after the commit; default ``metrics`` at
-            ``step=epoch``, timestamped now. Stored in the checkpoint for :func:`restore`.
+            ``step=epoch``, timestamped now. Stored in the checkpoint for :func:`restore`,
+            with :data:`WORLD_SIZE_METRIC` added at the last step of ``points``.
         save_started: ``time.perf_counter()`` when saving began (for the save-time metric).
 
     Returns:
@@ -218,6 +232,10 @@ def report_checkpoint(
     if points is None:
         timestamp_ms = int(time.time() * 1000)
         points = [(key, value, timestamp_ms, epoch) for key, value in metrics.items()]
+    last = max(points, key=lambda point: point[3], default=None)
+    points = [*points, (WORLD_SIZE_METRIC, float(_world_size()),
+                        last[2] if last else int(time.time() * 1000),
+                        last[3] if last else epoch)]
     (directory / metrics_file(rank)).write_text(
         json.dumps({"epoch": epoch, "points": points}, default=float)
     )

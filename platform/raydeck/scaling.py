@@ -9,6 +9,16 @@ GPU shares: a worker takes a whole number of GPUs, or a fraction 1/k (k = 2..8) 
 share one GPU exactly (Ray packs fractional requests onto the same device). Other fractions
 (0.3, 1.5) are rejected because they strand capacity.
 
+Elastic presets: ``num_workers`` may be a range ``(min_workers, max_workers)`` (``[1, 4]`` in a
+presets file), as in Ray Train v2's own ``ScalingConfig(num_workers=(min, max))``. Ray Train then
+starts with as many workers as its share of the cluster holds (at least the minimum), grows the
+worker group when that share grows (checked every ``elastic_resize_monitor_interval_s``) and
+restarts it smaller from the latest checkpoint when workers are lost. Ray 2.60 computes the share
+from the nodes' total resources, divided among the elastic jobs and Ray Data; work that holds
+resources outside them (a fixed-size job, a placement group) is not subtracted, so an elastic job
+may wait for them like a fixed one. Such a preset is feasible when its minimum can ever be
+placed.
+
 Each preset also carries its fault-tolerance defaults: how many worker-group restarts Ray Train
 makes from the latest checkpoint (``max_failures``, Ray's ``FailureConfig``) and how many
 checkpoints it keeps (``checkpoints_to_keep``, Ray's ``CheckpointConfig``).
@@ -42,10 +52,14 @@ MAX_NODES_SHOWN = 8
 
 @dataclass(frozen=True)
 class Preset:
-    """A named Ray Train resource shape. Every field is validated at construction."""
+    """A named Ray Train resource shape. Every field is validated at construction.
+
+    ``num_workers``: a fixed worker count, or a ``(min_workers, max_workers)`` range for an
+    elastic job (a two-item list is accepted and stored as a tuple).
+    """
 
     name: str
-    num_workers: int
+    num_workers: int | tuple[int, int]
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     memory_per_worker_gb: float = 0.0
@@ -56,7 +70,8 @@ class Preset:
 
     def __post_init__(self) -> None:
         where = f"preset {self.name!r}"
-        for name in ("num_workers", "max_failures", "checkpoints_to_keep"):
+        self._check_num_workers(where)
+        for name in ("max_failures", "checkpoints_to_keep"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise PresetError(f"{where}: {name}={value!r} must be an integer")
@@ -64,8 +79,6 @@ class Preset:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise PresetError(f"{where}: {name}={value!r} must be a number >= 0")
-        if self.num_workers < 1:
-            raise PresetError(f"{where}: num_workers={self.num_workers} must be >= 1")
         gpus = self.gpus_per_worker
         if gpus >= 1 and not float(gpus).is_integer():
             raise PresetError(
@@ -95,6 +108,53 @@ class Preset:
                 "(a restart resumes from the latest checkpoint)"
             )
 
+    def _check_num_workers(self, where: str) -> None:
+        value = self.num_workers
+        if isinstance(value, list):
+            value = tuple(value)
+            object.__setattr__(self, "num_workers", value)
+        if isinstance(value, tuple):
+            if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool)
+                                          for v in value):
+                raise PresetError(
+                    f"{where}: num_workers={list(value)!r} must be a worker count or a range "
+                    "[min_workers, max_workers] of two integers (e.g. [1, 4])"
+                )
+            low, high = value
+            if low < 1:
+                raise PresetError(f"{where}: num_workers={list(value)!r}: min_workers={low} "
+                                  "must be >= 1 (an elastic job runs at least one worker)")
+            if low > high:
+                raise PresetError(f"{where}: num_workers={list(value)!r}: min_workers={low} "
+                                  f"must be <= max_workers={high}; write [{high}, {low}]")
+            return
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise PresetError(f"{where}: num_workers={value!r} must be an integer or a range "
+                              "[min_workers, max_workers]")
+        if value < 1:
+            raise PresetError(f"{where}: num_workers={value} must be >= 1")
+
+    @property
+    def elastic(self) -> bool:
+        """Whether Ray Train may run this preset at any size in ``[min_workers, max_workers]``."""
+        return isinstance(self.num_workers, tuple)
+
+    @property
+    def min_workers(self) -> int:
+        """The fewest workers the job runs with (the fixed count when not elastic)."""
+        return self.num_workers[0] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def max_workers(self) -> int:
+        """The most workers the job runs with (the fixed count when not elastic)."""
+        return self.num_workers[1] if isinstance(self.num_workers, tuple) else self.num_workers
+
+    @property
+    def workers_label(self) -> str:
+        """``2``, or ``1-4`` for an elastic preset (how tables show it)."""
+        return (f"{self.min_workers}-{self.max_workers}" if self.elastic
+                else str(self.num_workers))
+
     @property
     def use_gpu(self) -> bool:
         return self.gpus_per_worker > 0
@@ -109,11 +169,13 @@ class Preset:
         return resources
 
     def scaling_config(self) -> Any:
-        """Ray's own ``ray.train.ScalingConfig`` for this preset."""
+        """Ray's own ``ray.train.ScalingConfig`` for this preset; elastic (``num_workers=(min,
+        max)``) when the preset names a range."""
         from ray.train import ScalingConfig
 
         return ScalingConfig(
-            num_workers=self.num_workers,
+            # mypy reads Ray Train v1's annotation (an int); v2, Ray's default, takes the range.
+            num_workers=self.num_workers,  # type: ignore[arg-type]
             use_gpu=self.use_gpu,
             resources_per_worker=self.resources_per_worker(),
             placement_strategy=self.placement_strategy,
@@ -131,7 +193,7 @@ class Preset:
 
         return CheckpointConfig(num_to_keep=self.checkpoints_to_keep)
 
-    def with_workers(self, num_workers: int) -> Preset:
+    def with_workers(self, num_workers: int | tuple[int, int]) -> Preset:
         return dataclasses.replace(self, num_workers=num_workers)
 
     @classmethod
@@ -146,7 +208,8 @@ class Preset:
         memory_bytes = float(resources.pop("memory", 0.0))
         return cls(
             name=name,
-            num_workers=int(scaling_config.num_workers),
+            num_workers=(scaling_config.num_workers if isinstance(scaling_config.num_workers, tuple)
+                         else int(scaling_config.num_workers)),
             cpus_per_worker=float(resources.pop("CPU", 1.0)),
             gpus_per_worker=int(gpus) if gpus.is_integer() else gpus,
             memory_per_worker_gb=memory_bytes / _GIB,
@@ -161,9 +224,13 @@ BUILTIN_PRESETS: dict[str, Preset] = {
         Preset("cpu-1", 1, description="1 CPU worker"),
         Preset("cpu-2", 2, description="2 CPU workers (the default)"),
         Preset("cpu-4", 4, description="4 CPU workers"),
+        Preset("cpu-1-2", (1, 2), description="elastic: 1 to 2 CPU workers, as many as fit"),
+        Preset("cpu-1-4", (1, 4), description="elastic: 1 to 4 CPU workers, as many as fit"),
         Preset("gpu-1", 1, cpus_per_worker=4, gpus_per_worker=1, description="1 worker, 1 GPU"),
         Preset("gpu-2", 2, cpus_per_worker=4, gpus_per_worker=1,
                description="2 workers, 1 GPU each"),
+        Preset("gpu-1-4", (1, 4), cpus_per_worker=4, gpus_per_worker=1,
+               description="elastic: 1 to 4 workers, 1 GPU each, as many as fit"),
         Preset("gpu-half", 2, cpus_per_worker=1, gpus_per_worker=0.5,
                description="2 workers sharing one GPU (0.5 each)"),
         Preset("gpu-quarter", 4, cpus_per_worker=1, gpus_per_worker=0.25,
@@ -204,7 +271,8 @@ def _read_file(path: Path) -> dict[str, Any]:
 def load_presets(presets_file: str | Path | None = None) -> dict[str, Preset]:
     """Built-in presets plus those of ``presets_file`` (YAML or TOML), which may override them.
 
-    File format: a mapping ``name -> {num_workers, cpus_per_worker, gpus_per_worker,
+    File format: a mapping ``name -> {num_workers (a count, or ``[min, max]`` for an elastic
+    preset), cpus_per_worker, gpus_per_worker,
     memory_per_worker_gb, placement_strategy, max_failures, checkpoints_to_keep,
     description}``, optionally under a
     top-level ``presets`` key.
@@ -375,6 +443,8 @@ def check_feasible(
         node_totals, node_available: per-node resources (aligned lists); default: read from
             the connected Ray cluster with :func:`cluster_resources`.
 
+    An elastic preset is checked at its minimum: Ray Train starts it with what fits.
+
     Returns:
         ``runs_now`` True when the workers fit into what is free now; False (with a message
         saying it is queued) when they fit into the empty cluster but not into what running
@@ -395,9 +465,10 @@ def check_feasible(
     for node in node_totals:
         for name, amount in node.items():
             totals[name] = totals.get(name, 0.0) + amount
-    asked = (f"{preset.num_workers} worker(s) x ({describe_resources(bundle)}), "
-             f"{preset.placement_strategy}")
-    if not placeable(bundle, preset.num_workers, preset.placement_strategy, node_totals):
+    workers = preset.min_workers
+    at_least = f"at least {workers} (up to {preset.max_workers})" if preset.elastic else workers
+    asked = f"{at_least} worker(s) x ({describe_resources(bundle)}), {preset.placement_strategy}"
+    if not placeable(bundle, workers, preset.placement_strategy, node_totals):
         shown_nodes = "; ".join(
             f"node {index}: {describe_resources({k: v for k, v in node.items() if k in bundle})}"
             for index, node in enumerate(node_totals[:MAX_NODES_SHOWN])
@@ -411,7 +482,7 @@ def check_feasible(
             f"{more}); it would wait forever. Pick a smaller preset (`raydeck presets`) or "
             "add nodes."
         )
-    if placeable(bundle, preset.num_workers, preset.placement_strategy, node_available):
+    if placeable(bundle, workers, preset.placement_strategy, node_available):
         return Feasibility(True, f"{asked}: fits now")
     message = (f"{asked}: feasible, but the cluster is busy; queued until running work frees "
                "resources")
@@ -425,7 +496,7 @@ def presets_markdown() -> str:
              "checkpoints kept | what for |", "|---|---|---|---|---|---|---|---|"]
     for preset in BUILTIN_PRESETS.values():
         lines.append(
-            f"| `{preset.name}` | {preset.num_workers} | {preset.cpus_per_worker:g} | "
+            f"| `{preset.name}` | {preset.workers_label} | {preset.cpus_per_worker:g} | "
             f"{preset.gpus_per_worker:g} | {preset.placement_strategy} | {preset.max_failures} | "
             f"{preset.checkpoints_to_keep} | {preset.description} |"
         )

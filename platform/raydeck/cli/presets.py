@@ -19,7 +19,7 @@ def presets() -> None:
         table.add_column(column)
     for preset in sorted(load_presets(settings.presets_file).values(), key=lambda p: p.name):
         table.add_row(
-            preset.name, str(preset.num_workers), f"{preset.cpus_per_worker:g}",
+            preset.name, preset.workers_label, f"{preset.cpus_per_worker:g}",
             f"{preset.gpus_per_worker:g}",
             f"{preset.memory_per_worker_gb:g} GiB" if preset.memory_per_worker_gb else "-",
             preset.placement_strategy, str(preset.max_failures), str(preset.checkpoints_to_keep),

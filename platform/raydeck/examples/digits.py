@@ -249,8 +249,9 @@ def run_digits(
     feasibility = check_feasible(chosen)
     if not feasibility.runs_now:
         logger.warning(feasibility.message)
+    params = {"preset": chosen.name, "num_workers": chosen.workers_label}
     with get_tracker(run_id, run_name=run_name, mode=mode, settings=settings,
-                     params={"preset": chosen.name, "num_workers": chosen.num_workers}) as tracker:
+                     params=params) as tracker:
         outcome: dict[str, Any] = {}
 
         def train() -> None:

@@ -109,8 +109,10 @@ class Gang:
 
     @classmethod
     def of(cls, preset: Preset) -> Gang:
-        """The gang a scaling preset starts."""
-        return cls(preset.num_workers, Resources(preset.cpus_per_worker, preset.gpus_per_worker),
+        """The gang a scaling preset starts. An elastic preset counts at its maximum: Ray Train
+        grows the job into free room on its own, and the queue does not yet shrink it back, so
+        room it may take is kept from other jobs."""
+        return cls(preset.max_workers, Resources(preset.cpus_per_worker, preset.gpus_per_worker),
                    preset.placement_strategy)
 
     @property

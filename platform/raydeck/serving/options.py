@@ -120,12 +120,12 @@ class ServeOptions:
             "user_config": self.user_config(),
         }
         if self.min_replicas is None:
-            options["num_replicas"] = preset.num_workers
+            options["num_replicas"] = preset.max_workers
         else:
             assert self.max_replicas is not None
             options["autoscaling_config"] = {
                 "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
-                "initial_replicas": min(max(preset.num_workers, self.min_replicas),
+                "initial_replicas": min(max(preset.max_workers, self.min_replicas),
                                         self.max_replicas),
                 "target_ongoing_requests": self.target_ongoing_requests,
             }

@@ -1,5 +1,10 @@
 """The cross-rank views of ``all_ranks`` mode: per step, the mean, min, max and straggler rank
 of a metric that every rank logs as ``<key>/rank_<i>``; the shard derives them as batches come.
+
+The world size is the sending process's (:class:`~raydeck.tracking.messages.ProcessInfo`), so
+after an elastic job's resize (a restart of every worker at a new size) a step aggregates the
+ranks of the group that trained it. A step is collected per world size: a step the old group left
+incomplete never mixes with the new group's ranks.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ class CrossRank:
     """
 
     def __init__(self) -> None:
-        self._open: OrderedDict[tuple[str, str, int], dict[int, tuple[float, int]]] = (
+        self._open: OrderedDict[tuple[str, str, int, int], dict[int, tuple[float, int]]] = (
             OrderedDict())
         self._lock = threading.Lock()
 
@@ -34,11 +39,12 @@ class CrossRank:
                 if not key.endswith(suffix) or key.startswith("system/"):
                     continue
                 base = key[: -len(suffix)]
-                slot = self._open.setdefault((run_key, base, step), {})
+                slot_key = (run_key, base, step, world_size)
+                slot = self._open.setdefault(slot_key, {})
                 slot[rank] = (value, timestamp)
                 if len(slot) < world_size:
                     continue
-                del self._open[(run_key, base, step)]
+                del self._open[slot_key]
                 values = [v for v, _ in slot.values()]
                 latest = max(t for _, t in slot.values())
                 slowest = max(slot, key=lambda r: (slot[r][1], r))

@@ -264,7 +264,7 @@ def _capacity(preset: Any) -> int:
     import ray
 
     total = ray.cluster_resources()
-    per_trial = {name: amount * preset.num_workers
+    per_trial = {name: amount * preset.max_workers
                  for name, amount in preset.resources_per_worker().items() if amount > 0}
     fits = [math.floor(total.get(name, 0.0) / amount) for name, amount in per_trial.items()]
     return max(1, min(fits, default=1))
