@@ -54,7 +54,7 @@ def media_type(content_type: str | None) -> str:
             ``format=pandas-split``, which MLflow 2 and 3 refuse), or a type other than JSON,
             CSV or Parquet.
     """
-    if not content_type:
+    if not content_type or content_type == JSON_TYPE:  # nearly every request: no parsing
         return JSON_TYPE
     from mlflow.pyfunc.scoring_server import CONTENT_TYPES, SCORING_PROTOCOL_CHANGE_INFO
 
