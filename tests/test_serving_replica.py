@@ -72,6 +72,9 @@ def test_numbers_are_cast_to_the_signatures_dtype_when_nothing_changes(
     (b'{"inputs": [[1e300, 2]]}', "float32", "would change as float32"),
     (b'{"inputs": [[2.5, 2]]}', "int64", "2.5 at index [0, 0] would change as int64"),
     (b'{"inputs": [["7", 2]]}', "float64", "'7' (str)"),
+    (b'{"inputs": [[true, 2]]}', "float64", "True (bool)"),
+    (b'{"dataframe_split": {"columns": ["a", "b"], "data": [[1, false]]}}', "float64",
+     "False (bool)"),
 ])
 def test_numbers_a_cast_would_change_are_refused(body: bytes, dtype: str, says: str) -> None:
     with pytest.raises(InputError, match=re.escape(says)):
@@ -141,14 +144,15 @@ class Summer(mlflow.pyfunc.PythonModel):
             raise ConnectionError("artifact store at http://bob:hunter2secret@store:9000 is down")
 
     def predict(self, context, model_input, params=None):
-        rows = np.asarray(model_input, dtype=float)
+        rows = np.asarray(model_input, dtype=float) * (params or {}).get("scale", 1.0)
         return np.full(len(rows), np.nan) if self.broken else rows.sum(axis=1)
 '''
 
 
 def _register(tracking_uri: str, name: str, code: Path, down_flag: Path,
-              broken: bool = False) -> str:
-    """Register one version of the model in ``code``; its version number."""
+              broken: bool = False, params: dict[str, Any] | None = None) -> str:
+    """Register one version of the model in ``code`` (with a params schema when ``params``
+    gives their defaults); its version number."""
     import importlib.util
 
     import mlflow
@@ -164,7 +168,7 @@ def _register(tracking_uri: str, name: str, code: Path, down_flag: Path,
         info = mlflow.pyfunc.log_model(
             name="model", python_model=module.Summer(str(down_flag), broken),
             code_paths=[str(code)], input_example=example,
-            signature=infer_signature(example, np.array([3.0, 7.0])),
+            signature=infer_signature(example, np.array([3.0, 7.0]), params),
             registered_model_name=name)
     return str(info.registered_model_version)
 
@@ -236,6 +240,29 @@ def test_every_malformed_body_is_a_400_and_the_limit_holds_while_reading(
                                         "(max_request_bytes)"), answer
 
 
+def _mlflow_and(server: Any, model_uri: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``both(body, content_type, path, method)``: the request sent to MLflow's own scoring app
+    serving ``model_uri`` and to ``server``; each answer as (status, content type, body)."""
+    import mlflow.pyfunc
+    from mlflow.environment_variables import _MLFLOW_IS_IN_SERVING_ENVIRONMENT
+    from mlflow.pyfunc import scoring_server
+    from starlette.testclient import TestClient
+
+    monkeypatch.delenv(_MLFLOW_IS_IN_SERVING_ENVIRONMENT.name, raising=False)  # init() sets it
+    mlflow_app = TestClient(scoring_server.init(mlflow.pyfunc.load_model(model_uri)))
+
+    def both(body: bytes, content_type: str | None = "application/json",
+             path: str = "/invocations", method: str = "POST") -> tuple[Any, Any]:
+        theirs = mlflow_app.request(method, path, content=body,
+                                    headers={"content-type": content_type} if content_type
+                                    else {})
+        ours = asyncio.run(server(_request(body, path, method, content_type)))
+        return ((theirs.status_code, theirs.headers["content-type"], theirs.content),
+                (ours.status_code, ours.headers["content-type"], bytes(ours.body)))
+
+    return both
+
+
 def _parquet(rows: list[list[float]], columns: list[str]) -> bytes:
     import io
 
@@ -254,24 +281,7 @@ def test_mlflows_clients_get_what_mlflow_models_serve_answers_byte_for_byte(
     in process on the same registered version) and to the replica: every form, content type,
     ``params``, refusal and error, compared byte for byte where MLflow answers, key for key
     where its message quotes the request differently."""
-    import mlflow.pyfunc
-    from mlflow.environment_variables import _MLFLOW_IS_IN_SERVING_ENVIRONMENT
-    from mlflow.pyfunc import scoring_server
-    from starlette.testclient import TestClient
-
-    monkeypatch.delenv(_MLFLOW_IS_IN_SERVING_ENVIRONMENT.name, raising=False)  # init() sets it
-    mlflow_app = TestClient(scoring_server.init(
-        mlflow.pyfunc.load_model(f"models:/{replica['name']}/1")))
-
-    def both(body: bytes, content_type: str | None = "application/json",
-             path: str = "/invocations", method: str = "POST") -> tuple[Any, Any]:
-        theirs = mlflow_app.request(method, path, content=body,
-                                    headers={"content-type": content_type} if content_type
-                                    else {})
-        ours = asyncio.run(replica["server"](_request(body, path, method, content_type)))
-        return ((theirs.status_code, theirs.headers["content-type"], theirs.content),
-                (ours.status_code, ours.headers["content-type"], bytes(ours.body)))
-
+    both = _mlflow_and(replica["server"], f"models:/{replica['name']}/1", monkeypatch)
     rows, ints, columns = [[1.0, 2.0], [3.5, -4.25]], [[1, 2], [3, 4]], ["a", "b"]
     same = {
         "dataframe_split": {"dataframe_split": {"columns": columns, "data": rows}},
@@ -314,10 +324,37 @@ def test_mlflows_clients_get_what_mlflow_models_serve_answers_byte_for_byte(
     for path, method in (("/predict", "POST"), ("/invocations", "GET")):
         theirs, ours = both(b"", None, path, method)
         assert theirs[0] in (404, 405) and ours == theirs, (path, theirs, ours)
-    # Where raydeck is stricter: an integer float64 cannot hold exactly. MLflow rounds it.
-    theirs, ours = both(b'{"inputs": [[9007199254740993, 1]]}')
-    assert theirs[:2] == (200, "application/json"), theirs
-    assert ours[0] == 400 and b"9007199254740993" in ours[2], ours
+    # Where raydeck is stricter: an integer float64 cannot hold exactly (MLflow rounds it) and a
+    # boolean among numbers (MLflow reads it as 0 or 1).
+    for body, says in ((b'{"inputs": [[9007199254740993, 1]]}', b"9007199254740993"),
+                       (b'{"inputs": [[true, 1]]}', b"True (bool)")):
+        theirs, ours = both(body)
+        assert theirs[:2] == (200, "application/json"), theirs
+        assert ours[0] == 400 and says in ours[2], ours
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_model_with_a_params_schema_gets_its_params_as_mlflow_models_serve_passes_them(
+        replica: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from raydeck.config import load_settings
+    from raydeck.serving.options import ServeOptions
+    from raydeck.serving.server import ModelServer
+
+    name = f"scaled-{uuid.uuid4().hex[:6]}"
+    assert _register(replica["uri"], name, replica["code"], replica["down"],
+                     params={"scale": 1.0}) == "1"
+    server = ModelServer(ServeOptions(f"models:/{name}/1", max_batch_size=1), load_settings())
+    both = _mlflow_and(server, f"models:/{name}/1", monkeypatch)
+    for payload in ({"inputs": [[1, 2]]}, {"inputs": [[1, 2]], "params": {"scale": 2.0}},
+                    {"dataframe_split": {"columns": ["a", "b"], "data": [[1, 2]]},
+                     "params": {"scale": 0.5}}):
+        theirs, ours = both(json.dumps(payload).encode())
+        assert theirs[0] == 200 and ours == theirs, (payload, theirs, ours)
+    assert json.loads(both(b'{"inputs": [[1, 2]], "params": {"scale": 2.0}}')[1][2]) == {
+        "predictions": [6.0]}
+    theirs, ours = both(b'{"inputs": [[1, 2]], "params": {"scale": "big"}}')
+    assert theirs[0] == ours[0] == 400 and theirs[1:] == ours[1:], (theirs, ours)
 
 
 @pytest.mark.slow

@@ -81,11 +81,12 @@ class TensorInput:
     @classmethod
     def from_schema(cls, schema: Any) -> TensorInput | None:
         """The expected input of an MLflow input schema, or None when it is not one 2-D tensor
-        (such models get MLflow's own schema enforcement instead)."""
+        of numbers (such models get MLflow's own schema enforcement instead)."""
         if schema is None or not getattr(schema, "is_tensor_spec", lambda: False)():
             return None
         inputs = schema.inputs
-        if len(inputs) != 1 or len(inputs[0].shape) != 2 or inputs[0].shape[1] < 1:
+        if (len(inputs) != 1 or len(inputs[0].shape) != 2 or inputs[0].shape[1] < 1
+                or np.dtype(inputs[0].type).kind not in "iuf"):
             return None
         return cls(width=int(inputs[0].shape[1]), dtype=str(inputs[0].type))
 
@@ -129,7 +130,9 @@ def parse_request(body: bytes, expected: TensorInput, max_bytes: int,
                          f"it has {found}")
     form = present[0]
     rows = _rows(form, payload[form])
-    return Parsed(_validate(rows, expected, form), form)
+    # numpy reads a JSON boolean among numbers as 0 or 1: such a body is checked value by value.
+    booleans = b"true" in body or b"false" in body
+    return Parsed(_validate(rows, expected, form, booleans), form)
 
 
 def too_large(size: int, max_bytes: int) -> InputError:
@@ -209,8 +212,10 @@ def _rows(form: str, value: Any) -> list[Any]:
     return value
 
 
-def _validate(rows: list[Any], expected: TensorInput, form: str) -> np.ndarray:
-    """Rows as a ``(n, width)`` array of the signature's dtype, or the first thing wrong."""
+def _validate(rows: list[Any], expected: TensorInput, form: str,
+              booleans: bool = False) -> np.ndarray:
+    """Rows as a ``(n, width)`` array of the signature's dtype, or the first thing wrong
+    (``booleans``: the rows may hold booleans, which numpy would read as numbers)."""
     dtype = np.dtype(expected.dtype)
     # Fast path: numpy parses well-formed numeric rows in C; only a request it would
     # misread (strings, booleans, ragged or nested rows, integers beyond int64, or floats so
@@ -220,10 +225,10 @@ def _validate(rows: list[Any], expected: TensorInput, form: str) -> np.ndarray:
         array = np.asarray(rows)
     except ValueError:
         array = np.asarray([], dtype=object)
-    if (array.dtype.kind in "iuf" and array.ndim == 2 and array.shape[1] == expected.width
-            and np.isfinite(array).all()
+    if (not booleans and array.dtype.kind in "iuf" and array.ndim == 2
+            and array.shape[1] == expected.width and np.isfinite(array).all()
             and (array.dtype.kind != "f" or np.abs(array).max() < _FLOAT64_EXACT_INTEGERS)):
-        return cast_exactly(array, dtype, f"{form}: ", expected.describe())
+        return _cast_exactly(array, dtype, f"{form}: ", expected.describe())
     for index, row in enumerate(rows):
         if not isinstance(row, list):
             raise InputError(f"{form}: row {index} is {type(row).__name__}; expected "
@@ -242,13 +247,13 @@ def _validate(rows: list[Any], expected: TensorInput, form: str) -> np.ndarray:
                 raise InputError(f"{where} {value}, which {dtype} cannot hold exactly; "
                                  f"expected {expected.describe()}")
     with np.errstate(over="ignore"):
-        return cast_exactly(np.asarray(rows, dtype=dtype), dtype, f"{form}: ",
+        return _cast_exactly(np.asarray(rows, dtype=dtype), dtype, f"{form}: ",
                             expected.describe())
 
 
-def cast_exactly(array: np.ndarray, dtype: np.dtype, where: str = "",
-                 expected: str = "") -> np.ndarray:
-    """``array`` as ``dtype`` when no value changes beyond a float's rounding.
+def _cast_exactly(array: np.ndarray, dtype: np.dtype, where: str, expected: str) -> np.ndarray:
+    """``array`` (integers or floats) as ``dtype`` (the same) when no value changes beyond a
+    float's rounding.
 
     Accepted: any integer the dtype holds exactly (pixels 0-16 as int64 rows for a float32 or
     float64 network), floats of integral value in range for an integer dtype, and floats
@@ -256,17 +261,13 @@ def cast_exactly(array: np.ndarray, dtype: np.dtype, where: str = "",
     precision). ``where`` and ``expected`` prefix and end the message.
 
     Raises:
-        InputError: not a real number (strings, booleans, complex), not finite, an integer a
-            float dtype cannot hold exactly (over 2**24 for float32, 2**53 for float64), a
-            fraction or an out-of-range value for an integer dtype, or a float beyond a
-            narrower float's range.
+        InputError: not finite, an integer a float dtype cannot hold exactly (over 2**24 for
+            float32, 2**53 for float64), a fraction or an out-of-range value for an integer
+            dtype, or a float beyond a narrower float's range.
     """
     if array.dtype == dtype:
         changed = ~np.isfinite(array) if dtype.kind == "f" else np.zeros(array.shape, bool)
         cast = array
-    elif array.dtype.kind not in "iuf" or dtype.kind not in "iuf":
-        raise InputError(f"{where}values of dtype {array.dtype} are not real numbers"
-                         f"{'; expected ' + expected if expected else ''}")
     else:
         with np.errstate(over="ignore", invalid="ignore"):
             cast = array.astype(dtype)
@@ -278,7 +279,7 @@ def cast_exactly(array: np.ndarray, dtype: np.dtype, where: str = "",
         position = tuple(int(i) for i in np.argwhere(changed)[0])
         value = array[position].item()
         raise InputError(f"{where}value {value} at index {list(position)} would change as "
-                         f"{dtype}{'; expected ' + expected if expected else ''}")
+                         f"{dtype}; expected {expected}")
     return cast
 
 

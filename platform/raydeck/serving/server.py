@@ -94,7 +94,11 @@ def load(ref: ModelRef, settings: Settings) -> LoadedModel:
     with credentials_in_env(settings.storage):
         mlflow.set_tracking_uri(settings.tracking.uri)
         model = mlflow.pyfunc.load_model(ref.pinned_uri)
-    loaded = LoadedModel(ref, model, TensorInput.from_schema(model.metadata.get_input_schema()))
+    # A model with a params schema takes MLflow's own request handling, which checks and passes
+    # the params; the tensor path ignores them, as MLflow does for a model without one.
+    expected = (TensorInput.from_schema(model.metadata.get_input_schema())
+                if model.metadata.get_params_schema() is None else None)
+    loaded = LoadedModel(ref, model, expected)
     example = getattr(model, "input_example", None)
     if example is not None:
         try:
