@@ -246,14 +246,15 @@ def _validate(rows: list[Any], expected: TensorInput, form: str,
             if not _holds(dtype, value):
                 raise InputError(f"{where} {value}, which {dtype} cannot hold exactly; "
                                  f"expected {expected.describe()}")
-    with np.errstate(over="ignore"):
-        return _cast_exactly(np.asarray(rows, dtype=dtype), dtype, f"{form}: ",
-                            expected.describe())
+    # Every integer is exact in ``dtype`` now; floats go through float64, so that one beyond a
+    # narrower float's range is refused.
+    wide = np.asarray(rows, dtype=np.float64 if dtype.kind == "f" else dtype)
+    return _cast_exactly(wide, dtype, f"{form}: ", expected.describe())
 
 
 def _cast_exactly(array: np.ndarray, dtype: np.dtype, where: str, expected: str) -> np.ndarray:
-    """``array`` (integers or floats) as ``dtype`` (the same) when no value changes beyond a
-    float's rounding.
+    """``array`` (finite integers or floats) as ``dtype`` (the same) when no value changes
+    beyond a float's rounding.
 
     Accepted: any integer the dtype holds exactly (pixels 0-16 as int64 rows for a float32 or
     float64 network), floats of integral value in range for an integer dtype, and floats
@@ -265,16 +266,14 @@ def _cast_exactly(array: np.ndarray, dtype: np.dtype, where: str, expected: str)
             float32, 2**53 for float64), a fraction or an out-of-range value for an integer
             dtype, or a float beyond a narrower float's range.
     """
-    if array.dtype == dtype:
-        changed = ~np.isfinite(array) if dtype.kind == "f" else np.zeros(array.shape, bool)
-        cast = array
-    else:
-        with np.errstate(over="ignore", invalid="ignore"):
-            cast = array.astype(dtype)
-            if array.dtype.kind == "f" and dtype.kind == "f":
-                changed = ~np.isfinite(cast)
-            else:
-                changed = (cast.astype(array.dtype) != array) | ~np.isfinite(array)
+    if array.dtype == dtype:  # the callers checked that every value is finite
+        return array
+    with np.errstate(over="ignore", invalid="ignore"):
+        cast = array.astype(dtype)
+        if array.dtype.kind == "f" and dtype.kind == "f":
+            changed = ~np.isfinite(cast)
+        else:
+            changed = (cast.astype(array.dtype) != array) | ~np.isfinite(array)
     if changed.any():
         position = tuple(int(i) for i in np.argwhere(changed)[0])
         value = array[position].item()
