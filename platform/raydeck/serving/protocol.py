@@ -27,12 +27,12 @@ import numpy as np
 FORMATS = ("dataframe_split", "dataframe_records", "instances", "inputs")
 DATAFRAME_FORMATS = FORMATS[:2]
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
-# The media types MLflow's scoring server takes (``mlflow.pyfunc.scoring_server.CONTENT_TYPES``).
-# Beyond this magnitude float64 no longer holds every integer.
-_FLOAT64_EXACT_INTEGERS = 2.0**53
+# Two of the media types MLflow's scoring server takes (``scoring_server.CONTENT_TYPES``: JSON,
+# CSV and Parquet).
 JSON_TYPE = "application/json"
 CSV_TYPE = "text/csv"
-PARQUET_TYPE = "application/vnd.apache.parquet"
+# Beyond this magnitude float64 no longer holds every integer.
+_FLOAT64_EXACT_INTEGERS = 2.0**53
 
 
 class InputError(ValueError):

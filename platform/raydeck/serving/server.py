@@ -45,6 +45,7 @@ from raydeck.serving.protocol import (
 )
 
 if TYPE_CHECKING:
+    from mlflow.exceptions import MlflowException
     from starlette.requests import Request
     from starlette.responses import Response
 
@@ -271,8 +272,9 @@ class ModelServer:
                 self._executor, invocations, data, content_type or JSON_TYPE, loaded.model,
                 loaded.model.metadata.get_input_schema())
         except MlflowException as exc:
-            self._bad_requests.inc(1, self._tags)
-            return _error(exc.message, exc)
+            if exc.get_http_status_code() < 500:
+                self._bad_requests.inc(1, self._tags)
+            return _error(exc)
         headers = {VERSION_HEADER: loaded.version} if answer.status == 200 else None
         return Response(answer.response, status_code=answer.status, media_type=answer.mimetype,
                         headers=headers)
@@ -360,16 +362,16 @@ def _reason(exc: BaseException) -> str:
     return redact_text(f"{type(exc).__name__}: {text}")
 
 
-def _error(message: str, exc: Exception | None = None) -> Response:
-    """MLflow's scoring server's error answer, key for key: ``exc`` (an ``MlflowException``)
-    serialized without its stack trace (a replica's paths are nobody's business), or
-    ``message`` as the ``BAD_REQUEST`` MLflow raises for a request it cannot parse."""
+def _error(error: str | MlflowException) -> Response:
+    """MLflow's scoring server's error answer, key for key: an ``MlflowException`` serialized
+    without its stack trace (it names the replica's files and helps no client), or a message as
+    the ``BAD_REQUEST`` MLflow raises for a request it cannot parse."""
     from mlflow.exceptions import MlflowException
     from mlflow.protos.databricks_pb2 import BAD_REQUEST
     from starlette.responses import Response
 
-    error = exc if isinstance(exc, MlflowException) else MlflowException(
-        message, error_code=BAD_REQUEST)
+    if isinstance(error, str):
+        error = MlflowException(error, error_code=BAD_REQUEST)
     body = {key: value for key, value in json.loads(error.serialize_as_json()).items()
             if key != "stack_trace"}
     return Response(json.dumps(body), status_code=error.get_http_status_code(),
