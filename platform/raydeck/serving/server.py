@@ -32,9 +32,12 @@ from ray import serve
 from raydeck.models import ModelRef, resolve_model_uri
 from raydeck.redaction import redact_text
 from raydeck.serving.protocol import (
+    JSON_TYPE,
     InputError,
     Parsed,
     TensorInput,
+    UnsupportedMediaType,
+    media_type,
     parse_json_object,
     parse_request,
     predictions_json,
@@ -42,6 +45,7 @@ from raydeck.serving.protocol import (
 )
 
 if TYPE_CHECKING:
+    from mlflow.exceptions import MlflowException
     from starlette.requests import Request
     from starlette.responses import Response
 
@@ -53,7 +57,6 @@ logger = logging.getLogger(__name__)
 VERSION_HEADER = "x-raydeck-model-version"
 # The longest wait between tries of a version that failed to load transiently.
 RETRY_MAX_S = 60.0
-JSON = "application/json"
 
 
 @dataclass(frozen=True)
@@ -92,7 +95,11 @@ def load(ref: ModelRef, settings: Settings) -> LoadedModel:
     with credentials_in_env(settings.storage):
         mlflow.set_tracking_uri(settings.tracking.uri)
         model = mlflow.pyfunc.load_model(ref.pinned_uri)
-    loaded = LoadedModel(ref, model, TensorInput.from_schema(model.metadata.get_input_schema()))
+    # A model with a params schema takes MLflow's own request handling, which checks and passes
+    # the params; the tensor path ignores them, as MLflow does for a model without one.
+    expected = (TensorInput.from_schema(model.metadata.get_input_schema())
+                if model.metadata.get_params_schema() is None else None)
+    loaded = LoadedModel(ref, model, expected)
     example = getattr(model, "input_example", None)
     if example is not None:
         try:
@@ -195,21 +202,28 @@ class ModelServer:
         from starlette.responses import Response
 
         path = "/" + request.url.path.rstrip("/").rsplit("/", 1)[-1]
-        if path in ("/ping", "/health", "/version") and request.method == "GET":
+        method = "POST" if path == "/invocations" else "GET"
+        if path not in ("/invocations", "/ping", "/health", "/version"):
+            return _not_routed(404, "Not Found")
+        if request.method != method:
+            return _not_routed(405, "Method Not Allowed")
+        if path != "/invocations":
             state = {"status": "ok", **self.describe()} if path != "/ping" else {"status": "ok"}
-            return Response(json.dumps(state), media_type=JSON)
-        if path != "/invocations" or request.method != "POST":
-            return _error(404, f"{request.method} {request.url.path}: this server answers "
-                               "POST /invocations and GET /ping, /health, /version")
+            return Response(json.dumps(state), media_type=JSON_TYPE)
         loaded = self._loaded
+        content_type = request.headers.get("content-type")
         try:
             body = await _read_body(request, self._options.max_request_bytes)
             if loaded.expected is None:
-                return await self._predict_other(loaded, body)
-            parsed = parse_request(body, loaded.expected, self._options.max_request_bytes)
+                return await self._predict_other(loaded, body, content_type)
+            parsed = parse_request(body, loaded.expected, self._options.max_request_bytes,
+                                   content_type)
+        except UnsupportedMediaType as exc:
+            self._bad_requests.inc(1, self._tags)
+            return Response(str(exc), status_code=415, media_type="text/plain")
         except InputError as exc:
             self._bad_requests.inc(1, self._tags)
-            return _error(400, str(exc))
+            return _error(str(exc))
         if self._max_batch_size > 1:
             # The batch is predicted by the version this request was validated against, even
             # when the alias moves while it waits.
@@ -218,7 +232,7 @@ class ModelServer:
             predictions = await asyncio.get_running_loop().run_in_executor(
                 self._executor, loaded.predict, parsed.rows)
             version = loaded.version
-        return Response(predictions_json(predictions), media_type=JSON,
+        return Response(predictions_json(predictions), media_type=JSON_TYPE,
                         headers={VERSION_HEADER: version})
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
@@ -241,24 +255,29 @@ class ModelServer:
                 answers[index] = (part, loaded.version)
         return answers
 
-    async def _predict_other(self, loaded: LoadedModel, body: bytes) -> Response:
-        """A model without a 2-D tensor signature: MLflow's own parsing and schema checks."""
+    async def _predict_other(self, loaded: LoadedModel, body: bytes,
+                             content_type: str | None) -> Response:
+        """A model without a 2-D tensor signature: MLflow's own request handling (content
+        types, forms, ``params``, schema checks, the answer's shape), run beside the loop."""
         from mlflow.exceptions import MlflowException
-        from mlflow.pyfunc.scoring_server import infer_and_parse_data, predictions_to_json
+        from mlflow.pyfunc.scoring_server import invocations
         from starlette.responses import Response
 
-        payload = parse_json_object(body)
+        # JSON is parsed here, so that what Python's parser raises besides a JSONDecodeError
+        # (nesting too deep, an integer of too many digits) is a 400 too; MLflow takes the dict.
+        data: bytes | dict[str, Any] = (parse_json_object(body)
+                                        if media_type(content_type) == JSON_TYPE else body)
         try:
-            data = infer_and_parse_data(payload, loaded.model.metadata.get_input_schema())
-            predictions = await asyncio.get_running_loop().run_in_executor(
-                self._executor, loaded.model.predict, data)
+            answer = await asyncio.get_running_loop().run_in_executor(
+                self._executor, invocations, data, content_type or JSON_TYPE, loaded.model,
+                loaded.model.metadata.get_input_schema())
         except MlflowException as exc:
-            self._bad_requests.inc(1, self._tags)
-            return _error(400, str(exc.message).splitlines()[0])
-        out: list[str] = []
-        predictions_to_json(predictions, _Sink(out))
-        return Response("".join(out), media_type=JSON,
-                        headers={VERSION_HEADER: loaded.version})
+            if exc.get_http_status_code() < 500:
+                self._bad_requests.inc(1, self._tags)
+            return _error(exc)
+        headers = {VERSION_HEADER: loaded.version} if answer.status == 200 else None
+        return Response(answer.response, status_code=answer.status, media_type=answer.mimetype,
+                        headers=headers)
 
     def _follow(self) -> None:
         """Poll the alias; load, check and swap in each new version it points to."""
@@ -343,20 +362,25 @@ def _reason(exc: BaseException) -> str:
     return redact_text(f"{type(exc).__name__}: {text}")
 
 
-class _Sink:
-    """The writable MLflow's ``predictions_to_json`` writes to."""
-
-    def __init__(self, parts: list[str]) -> None:
-        self._parts = parts
-
-    def write(self, text: str) -> None:
-        self._parts.append(text)
-
-
-def _error(status: int, message: str) -> Response:
-    """MLflow's scoring server's error body: ``{"error_code": ..., "message": ...}``."""
+def _error(error: str | MlflowException) -> Response:
+    """MLflow's scoring server's error answer, key for key: an ``MlflowException`` serialized
+    without its stack trace (it names the replica's files and helps no client), or a message as
+    the ``BAD_REQUEST`` MLflow raises for a request it cannot parse."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.protos.databricks_pb2 import BAD_REQUEST
     from starlette.responses import Response
 
-    code = "BAD_REQUEST" if status == 400 else "NOT_FOUND"
-    return Response(json.dumps({"error_code": code, "message": message}), status_code=status,
-                    media_type=JSON)
+    if isinstance(error, str):
+        error = MlflowException(error, error_code=BAD_REQUEST)
+    body = {key: value for key, value in json.loads(error.serialize_as_json()).items()
+            if key != "stack_trace"}
+    return Response(json.dumps(body), status_code=error.get_http_status_code(),
+                    media_type=JSON_TYPE)
+
+
+def _not_routed(status: int, detail: str) -> Response:
+    """The answer ``mlflow models serve`` (FastAPI) gives a path it has no route for (404) or a
+    route called with the wrong method (405), byte for byte."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"detail": detail}, status_code=status)
