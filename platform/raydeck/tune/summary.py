@@ -153,8 +153,10 @@ def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
     Trials that ended in this driver were ended as they did (those calls are awaited here);
     others (ended under an earlier driver) are ended now. A run the tracking proxy does not
     know (it was restarted meanwhile), or whose end the proxy has not written to MLflow within
-    ``END_RUN_TIMEOUT_S``, is ended directly in MLflow: when the sweep returns, every child
-    run it recorded shows its final status.
+    ``END_RUN_TIMEOUT_S``, or which MLflow shows ended with another status (the proxy ends a
+    run KILLED when it finds the run's process gone, and Tune ends a stopped trial's actor), is
+    ended directly in MLflow: when the sweep returns, every child run it recorded shows its
+    final status.
     """
     import ray
 
@@ -173,12 +175,15 @@ def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
         except Exception:
             known = False
         child = children.get(trial_id)
+        outcome = outcomes[trial_id]
         if known and child is not None:
             # The router has handed the end to the run's shard; it is in MLflow once the shard
-            # has written it, normally within a flush interval.
-            known = _ended_in_mlflow(client, child.info.run_id, deadline)
+            # has written it, normally within a flush interval. The proxy may have ended the
+            # run first, KILLED, when it saw the trial's process gone (Tune stops a trial by
+            # ending its actor): this driver's outcome is the trial's, so it is what stays.
+            status = _ended_in_mlflow(client, child.info.run_id, deadline)
+            known = status == outcome.run_status
         if not known and child is not None:
-            outcome = outcomes[trial_id]
             for key, value in outcome.tags().items():
                 client.set_tag(child.info.run_id, key, value)
             client.set_terminated(child.info.run_id, status=outcome.run_status)
@@ -187,13 +192,15 @@ def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
     return recorded
 
 
-def _ended_in_mlflow(client: Any, run_id: str, deadline: float) -> bool:
-    """Whether MLflow shows run ``run_id`` ended, waiting for it until ``deadline``."""
+def _ended_in_mlflow(client: Any, run_id: str, deadline: float) -> str | None:
+    """The status MLflow shows run ``run_id`` ended with, waiting for its end until
+    ``deadline``; None if it is still running then."""
     while True:
-        if client.get_run(run_id).info.status != "RUNNING":
-            return True
+        status = str(client.get_run(run_id).info.status)
+        if status != "RUNNING":
+            return status
         if time.monotonic() >= deadline:
-            return False
+            return None
         time.sleep(END_POLL_S)
 
 
