@@ -59,6 +59,18 @@ VERSION_HEADER = "x-raydeck-model-version"
 RETRY_MAX_S = 60.0
 
 
+def _replica_id() -> str:
+    """This replica's id in Serve (``/health`` shows it, so a client can tell replicas apart);
+    empty when the class runs outside a Serve replica (in-process tests)."""
+    from ray import serve
+    from ray.serve.exceptions import RayServeException
+
+    try:
+        return str(serve.get_replica_context().replica_id.unique_id)
+    except RayServeException:
+        return ""
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     """A loaded model version: what a batch is predicted with, swapped as one reference."""
@@ -158,6 +170,7 @@ class ModelServer:
         logging.getLogger("raydeck").setLevel(logging.INFO)
         self._options = options
         self._settings = settings or load_settings()
+        self._replica = _replica_id()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="raydeck-predict")
         self._tags = {"app": options.name, "model": options.model_uri}
         self._version_gauge = gauge(SERVING_MODEL_VERSION)
@@ -192,7 +205,8 @@ class ModelServer:
     def describe(self) -> dict[str, Any]:
         """What this replica serves: ``raydeck serve status`` and ``/health`` show it."""
         loaded = self._loaded
-        return {"model_uri": self._options.model_uri, "version": loaded.ref.version,
+        return {"replica": self._replica,
+                "model_uri": self._options.model_uri, "version": loaded.ref.version,
                 "pinned_uri": loaded.ref.pinned_uri, "run_id": loaded.ref.run_id,
                 "max_batch_size": self._max_batch_size, "rejected": dict(self._rejected),
                 "retrying": {version: f"attempt {retry.attempts}: {retry.reason}"
