@@ -305,6 +305,8 @@ def _participants(key: str) -> int:
     return int(runs[key]["participants"])
 
 
+SIGTERMED_EXIT_TIMEOUT_S = 60
+PROXY_FROZEN_S = 6.0  # longer than the signal handler waits for the hand-over (3 s)
 SIGTERM_DRIVER = """
     import sys, time
     import raydeck
@@ -319,20 +321,70 @@ SIGTERM_DRIVER = """
 """
 
 
+def _sigterm(driver: subprocess.Popen[str]) -> None:
+    """SIGTERM the driver (what `ray job stop` sends) and wait for it to exit (killed if not)."""
+    driver.send_signal(signal.SIGTERM)
+    try:
+        _, errors = driver.communicate(timeout=SIGTERMED_EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        driver.kill()
+        _, errors = driver.communicate()
+        raise AssertionError(f"the driver still ran {SIGTERMED_EXIT_TIMEOUT_S} s after SIGTERM: "
+                             f"{errors[-3000:]}") from None
+    # Ray's own SIGTERM handler in a driver exits with the signal's number (raydeck's runs
+    # first, then hands over to it).
+    assert driver.returncode in (signal.SIGTERM, -signal.SIGTERM), errors[-3000:]
+
+
+def _assert_ended_killed_with_everything(mlflow_client: Any, run_id: str) -> None:
+    wait_until(lambda: mlflow_client.get_run(run_id).info.status != "RUNNING", 60,
+               "run ended")
+    assert mlflow_client.get_run(run_id).info.status == "KILLED"
+    _assert_exact(mlflow_client, run_id, "x", range(800))
+
+
 @pytest.mark.timeout(300)
 def test_a_sigtermed_driver_ends_its_run_killed_with_its_data(ray_cluster: None,
                                                               mlflow_client: Any) -> None:
     driver = driver_process(SIGTERM_DRIVER)
     run_id = read_line_with(driver, "RUN ")
-    driver.send_signal(signal.SIGTERM)  # what `ray job stop` sends
-    driver.communicate(timeout=60)
-    # Ray's own SIGTERM handler in a driver exits with the signal's number (raydeck's runs
-    # first, then hands over to it).
-    assert driver.returncode in (signal.SIGTERM, -signal.SIGTERM)
-    wait_until(lambda: mlflow_client.get_run(run_id).info.status != "RUNNING", 60,
-               "run ended")
-    assert mlflow_client.get_run(run_id).info.status == "KILLED"
-    _assert_exact(mlflow_client, run_id, "x", range(800))
+    _sigterm(driver)
+    _assert_ended_killed_with_everything(mlflow_client, run_id)
+
+
+def _proxy_pids() -> list[int]:
+    from ray.util.state import list_actors
+
+    from raydeck.tracking.proxy import ROUTER_NAME, SHARD_NAME_PREFIX
+
+    return [actor.pid for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000)
+            if actor.name == ROUTER_NAME or (actor.name or "").startswith(SHARD_NAME_PREFIX)]
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
+
+
+@pytest.mark.timeout(300)
+def test_a_sigtermed_driver_whose_proxy_is_slow_waits_for_its_hand_over_and_ends_killed(
+        ray_cluster: None, mlflow_client: Any) -> None:
+    """The signal's hand-over outlasts the handler's own wait (the proxy frozen for 6 s): the
+    exit hook waits for it rather than finishing the run a second time, FINISHED (CI once saw
+    that second finish wait for MLflow past a minute)."""
+    driver = driver_process(SIGTERM_DRIVER)
+    run_id = read_line_with(driver, "RUN ")
+    pids = _proxy_pids()
+    assert pids, "the driver's tracker started the proxy"
+    _signal_all(pids, signal.SIGSTOP)
+    thaw = threading.Timer(PROXY_FROZEN_S, _signal_all, (pids, signal.SIGCONT))
+    thaw.start()
+    try:
+        _sigterm(driver)
+    finally:
+        thaw.cancel()
+        _signal_all(pids, signal.SIGCONT)
+    _assert_ended_killed_with_everything(mlflow_client, run_id)
 
 
 def _returns_without_finish(config: dict[str, Any]) -> None:

@@ -31,6 +31,9 @@ from typing import Any, Protocol
 logger = logging.getLogger(__name__)
 
 SIGNAL_FINISH_TIMEOUT_S = 2.5
+# After a signal, how much longer the exit waits for the runs to be handed over (``ray job stop``
+# kills at 3 s anyway; a plain SIGTERM gets this long before the interpreter exits).
+SIGNAL_EXIT_GRACE_S = 10.0
 TRAIN_HANDOFF_TIMEOUT_S = 4.0
 
 
@@ -60,6 +63,7 @@ _hooks_installed = False
 _signals_installed = False
 _uncaught_exception = False
 _previous_handlers: dict[int, Any] = {}
+_signal_finisher: threading.Thread | None = None
 
 
 def register(tracker: LiveTracker, key: str | None, run_name: str | None, parent: str | None,
@@ -134,6 +138,9 @@ def install_hooks(in_main_thread_driver: bool) -> None:
 def _finish_at_exit() -> None:
     import ray
 
+    if _signal_finisher is not None:
+        _finish_after_signal(_signal_finisher)
+        return
     if not active():
         return
     if not ray.is_initialized():
@@ -143,6 +150,22 @@ def _finish_at_exit() -> None:
                        "are presumed gone when Ray reports their job ended", len(active()))
         return
     finish_all("FAILED" if _uncaught_exception else "FINISHED", wait=True)
+
+
+def _finish_after_signal(finisher: threading.Thread) -> None:
+    """At exit after a signal: let the signal's hand-over end, never start a second one beside it.
+
+    A second finish racing the first could end the run FINISHED, and waiting for MLflow (the
+    normal exit's ``wait=True``) would keep a stopped process alive while MLflow is slow; the
+    proxy holds the data either way. A finish that raised in the hand-over is retried, as KILLED.
+    """
+    finisher.join(SIGNAL_EXIT_GRACE_S)
+    if finisher.is_alive():
+        logger.warning("exiting %.0f s after the signal with %d run(s) still being handed to the "
+                       "tracking proxy; it ends them when this process is gone",
+                       SIGNAL_EXIT_GRACE_S, len(active()))
+        return
+    finish_all("KILLED", wait=False, timeout_s=SIGNAL_FINISH_TIMEOUT_S)
 
 
 def _install_signal_handlers() -> None:
@@ -162,11 +185,15 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     """Hand the data over and end the runs KILLED, then let the signal do what it did before.
 
     The work runs in a thread joined with a timeout: the interrupted main thread may be inside
-    a Ray call, and ``ray job stop`` kills the process a few seconds after its SIGTERM.
+    a Ray call, and ``ray job stop`` kills the process a few seconds after its SIGTERM. If the
+    previous handler exits the interpreter (Ray's does), the exit hook waits for that thread
+    instead of finishing the runs a second time.
     """
+    global _signal_finisher
     logger.warning("signal %s: ending this process's runs as KILLED", signal.Signals(signum).name)
-    worker = threading.Thread(target=finish_all, args=("KILLED", False,
-                                                       SIGNAL_FINISH_TIMEOUT_S), daemon=True)
+    worker = threading.Thread(target=finish_all, args=("KILLED", False, SIGNAL_FINISH_TIMEOUT_S),
+                              name="raydeck-signal-finish", daemon=True)
+    _signal_finisher = worker
     worker.start()
     worker.join(SIGNAL_FINISH_TIMEOUT_S + 0.5)
     previous = _previous_handlers.get(signum, signal.SIG_DFL)
