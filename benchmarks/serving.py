@@ -1,21 +1,30 @@
 """raydeck serve against `mlflow models serve`: requests/s, p50/p99 latency and errors.
 
 One run, one registered model (the digits MLP with its scaling inside, trained for a few epochs
-in this process), one machine. Servers, each given the same compute:
+in this process), one machine. Servers:
 
-- ``mlflow models serve --env-manager local`` (what MLflow users run today; 1 worker);
-- ``raydeck serve`` on a local Ray instance, 1 replica (preset cpu-1), with batching
-  (``--max-batch-size 32``) and without (``1``).
+- ``mlflow models serve --env-manager local`` (what MLflow users run today) with 1 uvicorn
+  worker, and with one per core;
+- ``raydeck serve`` on a local Ray instance, 1 replica (preset cpu-1), under each of Ray Serve's
+  ingress options, each in its own Ray instance (Serve reads them when its processes start):
+  ``proxy`` (Serve's Python proxy actor, Ray's default), ``haproxy``
+  (``RAY_SERVE_ENABLE_HA_PROXY=1``: an HAProxy process sends HTTP straight to the replicas),
+  ``direct`` (``RAY_SERVE_ENABLE_DIRECT_INGRESS=1``: the replica listens itself). Each with
+  adaptive batching (``--max-batch-size 32 --batch-wait-ms 0``: a request that finds the replica
+  idle is predicted at once, requests that queue behind a prediction form the next batch) and
+  without (``--max-batch-size 1``); under ``proxy`` also with the earlier 5 ms batch wait.
 
 A client (asyncio + aiohttp, in this process) keeps ``--clients`` requests in flight for
 ``--seconds`` per point, each request one raw digits row in MLflow's ``inputs`` form, and counts
 every answer that is not 200 as an error. The client shares the machine's cores with the
 servers, the same for every server. Printed: one row per server and concurrency (for raydeck
-serve with where a request's time went: mean time at Serve's proxy and in the replica, from
-Serve's own latency histograms), the ratios raydeck/mlflow, and Serve's own floor: the p50
-of bare deployments that return at once or only read the request body.
+serve with where a request's time went: mean time at Serve's proxy, where there is one, and in
+the replica, from Serve's own latency histograms), the ratios raydeck/mlflow (1 worker), and
+Serve's own floor under its default proxy: the p50 of bare deployments that return at once or
+only read the request body.
 
-Run: ``.venv/bin/python benchmarks/serving.py`` (about 3 minutes on 2 cores).
+Run: ``.venv/bin/python benchmarks/serving.py`` (about 8 minutes on 2 cores; ``--ingress``
+picks options).
 """
 
 from __future__ import annotations
@@ -128,7 +137,7 @@ def wait_ready(url: str, server: subprocess.Popen[bytes], timeout_s: float = 180
 def measure(name: str, url: str, args: argparse.Namespace, body: bytes,
             metrics_port: int | None = None) -> list[Point]:
     """Every concurrency level against one server; with ``metrics_port`` (Serve), also the
-    mean time a request spent at Serve's proxy and in the replica at each level."""
+    mean time a request spent at Serve's proxy (where there is one) and in the replica."""
     asyncio.run(load(url, 4, 2.0, body))  # warm-up: connections, first batches, JIT paths
     points = []
     for clients in args.clients:
@@ -136,15 +145,15 @@ def measure(name: str, url: str, args: argparse.Namespace, body: bytes,
         point = asyncio.run(load(url, clients, args.seconds, body))
         points.append(Point(name, clients, point.requests_per_s, point.p50_ms, point.p99_ms,
                             point.errors))
-        line = (f"  {name:<28} {clients:>3} clients  {point.requests_per_s:8.0f} req/s  "
+        line = (f"  {name:<34} {clients:>3} clients  {point.requests_per_s:8.0f} req/s  "
                 f"p50 {point.p50_ms:7.1f} ms  p99 {point.p99_ms:7.1f} ms  "
                 f"errors {point.errors}")
         if metrics_port:
             sent = point.requests_per_s * args.seconds
-            after = exported(metrics_port, before["proxy"][1] + sent * 0.99)
-            means = {key: (after[key][0] - before[key][0])
-                     / max(after[key][1] - before[key][1], 1) for key in HISTOGRAMS}
-            line += f"  | proxy {means['proxy']:6.1f} ms, replica {means['replica']:6.1f} ms"
+            after = exported(metrics_port, before["replica"][1] + sent * 0.99)
+            means = {key: (after[key][0] - before[key][0]) / (after[key][1] - before[key][1])
+                     for key in HISTOGRAMS if after[key][1] > before[key][1]}
+            line += "  | " + ", ".join(f"{key} {ms:6.1f} ms" for key, ms in means.items())
         print(line, flush=True)
     return points
 
@@ -170,11 +179,11 @@ def histogram_totals(metrics_port: int) -> dict[str, tuple[float, float]]:
 
 
 def exported(metrics_port: int, requests: float) -> dict[str, tuple[float, float]]:
-    """Histogram totals once the proxy's count has reached ``requests`` (exports lag)."""
+    """Histogram totals once the replica's count has reached ``requests`` (exports lag)."""
     deadline = time.time() + 30
     while True:
         totals = histogram_totals(metrics_port)
-        if totals["proxy"][1] >= requests or time.time() > deadline:
+        if totals["replica"][1] >= requests or time.time() > deadline:
             return totals
         time.sleep(0.5)
 
@@ -215,49 +224,21 @@ def serve_floor(port: int, body: bytes, requests: int = 300) -> dict[str, float]
     return floors
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--seconds", type=float, default=10.0)
-    args = parser.parse_args()
+# Ray Serve's ingress options, as the environment of the Ray instance that runs Serve.
+INGRESS = {
+    "proxy": {},
+    "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
+    "direct": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"},
+}
+# (label, --max-batch-size, --batch-wait-ms); the 5 ms row only under the default proxy.
+BATCHING = (("adaptive batching", 32, 0.0), ("no batching", 1, 0.0),
+            ("batching, 5 ms wait", 32, 5.0))
 
-    from sklearn.datasets import load_digits
 
-    workdir = Path(tempfile.mkdtemp(prefix="raydeck-bench-serving-"))
-    tracking_uri = f"sqlite:///{workdir / 'mlflow.db'}"
-    os.environ.update({"RAYDECK_TRACKING_URI": tracking_uri,
-                       "RAYDECK_DATA_DIR": str(workdir / "data"), "RAY_AUTH_MODE": "disabled",
-                       "MLFLOW_TRACKING_URI": tracking_uri, "RAY_USAGE_STATS_ENABLED": "0"})
-    model_uri = train_and_register(tracking_uri)
-    body = json.dumps({"inputs": [load_digits().data[0].tolist()]}).encode()
-    print(f"model {model_uri}; {os.cpu_count()} cores; load average "
-          f"{os.getloadavg()[0]:.2f}; {args.seconds:.0f} s per point")
-
-    import mlflow.pyfunc
-
-    model = mlflow.pyfunc.load_model(model_uri)
-    row = np.asarray([load_digits().data[0]])
-    started = time.perf_counter()
-    for _ in range(200):
-        model.predict(row)
-    predict_ms = (time.perf_counter() - started) / 200 * 1000
-
-    points: list[Point] = []
-    port = free_port()
-    mlflow_server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", model_uri,
-         "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=(workdir / "mlflow-serve.log").open("w"),
-        # It starts `uvicorn` from PATH, as in an activated venv.
-        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
-    try:
-        wait_ready(f"http://127.0.0.1:{port}/ping", mlflow_server)
-        points += measure("mlflow models serve", f"http://127.0.0.1:{port}/invocations", args,
-                          body)
-    finally:
-        mlflow_server.terminate()
-        mlflow_server.wait(timeout=30)
-
+def raydeck_points(ingress: str, model_uri: str, args: argparse.Namespace,
+                   body: bytes) -> None:
+    """In a child process whose environment picked the ingress: each batching setting, printed
+    as ``POINT <json>`` lines for the parent (and Serve's floor under the default proxy)."""
     import ray
     from ray import serve
 
@@ -271,32 +252,110 @@ def main() -> None:
     serve_port = free_port()
     settings = load_settings()
     try:
-        for label, batch in (("raydeck serve (batching)", 32), ("raydeck serve (no batch)", 1)):
-            options = ServeOptions(model_uri, name=f"bench-{batch}", preset="cpu-1",
-                                   max_batch_size=batch, port=serve_port,
-                                   route_prefix=f"/b{batch}")
+        for label, batch, wait_ms in BATCHING:
+            if wait_ms and ingress != "proxy":
+                continue
+            options = ServeOptions(model_uri, name=f"bench-{batch}-{wait_ms:g}", preset="cpu-1",
+                                   max_batch_size=batch, batch_wait_timeout_s=wait_ms / 1000,
+                                   port=serve_port)
             deploy(options, settings)
-            points += measure(label, f"{options.url}/invocations", args, body, metrics_port)
+            for point in measure(f"raydeck serve, {ingress}, {label}",
+                                 f"{options.url}/invocations", args, body, metrics_port):
+                print("POINT " + json.dumps(point.__dict__), flush=True)
             serve.delete(options.name)
-        floors = serve_floor(serve_port, body)
+        if ingress == "proxy":
+            print("FLOOR " + json.dumps(serve_floor(serve_port, body)), flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
 
-    baseline = {p.clients: p for p in points if p.server == "mlflow models serve"}
-    print("\nratios against mlflow models serve (throughput: higher is better; p99: lower is "
-          "better)")
+
+def mlflow_points(model_uri: str, workers: int, args: argparse.Namespace, body: bytes,
+                  workdir: Path) -> list[Point]:
+    port = free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "models", "serve", "-m", model_uri,
+         "--env-manager", "local", "--host", "127.0.0.1", "--port", str(port),
+         "--workers", str(workers)],
+        stdout=subprocess.DEVNULL, stderr=(workdir / f"mlflow-serve-{workers}.log").open("w"),
+        # It starts `uvicorn` from PATH, as in an activated venv.
+        env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"})
+    try:
+        wait_ready(f"http://127.0.0.1:{port}/ping", server)
+        return measure(f"mlflow models serve, {workers} worker(s)",
+                       f"http://127.0.0.1:{port}/invocations", args, body)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--ingress", nargs="+", choices=sorted(INGRESS), default=list(INGRESS))
+    parser.add_argument("--child-model-uri", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    from sklearn.datasets import load_digits
+
+    body = json.dumps({"inputs": [load_digits().data[0].tolist()]}).encode()
+    if args.child_model_uri:
+        raydeck_points(args.ingress[0], args.child_model_uri, args, body)
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="raydeck-bench-serving-"))
+    tracking_uri = f"sqlite:///{workdir / 'mlflow.db'}"
+    os.environ.update({"RAYDECK_TRACKING_URI": tracking_uri,
+                       "RAYDECK_DATA_DIR": str(workdir / "data"), "RAY_AUTH_MODE": "disabled",
+                       "MLFLOW_TRACKING_URI": tracking_uri, "RAY_USAGE_STATS_ENABLED": "0"})
+    model_uri = train_and_register(tracking_uri)
+    print(f"model {model_uri}; {os.cpu_count()} cores; load average "
+          f"{os.getloadavg()[0]:.2f}; {args.seconds:.0f} s per point")
+
+    import mlflow.pyfunc
+
+    model = mlflow.pyfunc.load_model(model_uri)
+    row = np.asarray([load_digits().data[0]])
+    started = time.perf_counter()
+    for _ in range(200):
+        model.predict(row)
+    predict_ms = (time.perf_counter() - started) / 200 * 1000
+
+    points: list[Point] = []
+    for workers in sorted({1, os.cpu_count() or 1}):
+        points += mlflow_points(model_uri, workers, args, body, workdir)
+    floors: dict[str, float] = {}
+    for ingress in args.ingress:
+        child = subprocess.run(
+            [sys.executable, __file__, "--child-model-uri", model_uri, "--ingress", ingress,
+             "--seconds", str(args.seconds), "--clients", *map(str, args.clients)],
+            env={**os.environ, **INGRESS[ingress]}, capture_output=True, text=True,
+            check=False)
+        for line in child.stdout.splitlines():
+            if line.startswith("POINT "):
+                points.append(Point(**json.loads(line[len("POINT "):])))
+            elif line.startswith("FLOOR "):
+                floors = json.loads(line[len("FLOOR "):])
+            else:
+                print(line, flush=True)
+        if child.returncode:
+            print(f"  raydeck serve under {ingress}: exited {child.returncode}: "
+                  f"{child.stderr[-2000:]}", flush=True)
+
+    baseline = {p.clients: p for p in points if p.server == "mlflow models serve, 1 worker(s)"}
+    print("\nratios against mlflow models serve with 1 worker (throughput: higher is better; "
+          "p50 and p99: lower is better)")
     for point in points:
-        if point.server == "mlflow models serve":
-            continue
         base = baseline[point.clients]
-        print(f"  {point.server:<28} {point.clients:>3} clients  throughput x"
-              f"{point.requests_per_s / base.requests_per_s:5.2f}  p99 x"
-              f"{point.p99_ms / base.p99_ms:5.2f}")
+        if point is base:
+            continue
+        print(f"  {point.server:<46} {point.clients:>3} clients  throughput x"
+              f"{point.requests_per_s / base.requests_per_s:5.2f}  p50 x"
+              f"{point.p50_ms / base.p50_ms:5.2f}  p99 x{point.p99_ms / base.p99_ms:5.2f}")
     print(f"\nwhere the time goes: the model alone predicts one row in {predict_ms:.2f} ms (in "
-          "process); Ray Serve's own request path, one client, p50: "
-          + ", ".join(f"a deployment that {k} {v:.1f} ms" for k, v in floors.items())
-          + "; the rest is the replica's parsing, batch wait and queueing (`replica` above)")
+          "process)" + ("; Ray Serve's own request path under its default proxy, one client, "
+                        "p50: " + ", ".join(f"a deployment that {k} {v:.1f} ms"
+                                           for k, v in floors.items()) if floors else ""))
 
 
 if __name__ == "__main__":

@@ -128,16 +128,18 @@ def test_what_may_pass_is_told_from_what_will_not() -> None:
 
 
 # A pyfunc model whose loading fails while a flag file exists (a store that is down) and whose
-# predictions are the rows' sums, or NaN when built to fail its health check.
+# predictions are the rows' sums, or NaN when built to fail its health check. Given a calls
+# file, each predict call appends its row count there and then holds while the gate file exists.
 MODEL_CODE = '''
 import os
+import time
 import numpy as np
 import mlflow.pyfunc
 
 
 class Summer(mlflow.pyfunc.PythonModel):
-    def __init__(self, down_flag, broken):
-        self.down_flag, self.broken = down_flag, broken
+    def __init__(self, down_flag, broken, calls=None, gate=None):
+        self.down_flag, self.broken, self.calls, self.gate = down_flag, broken, calls, gate
 
     def load_context(self, context):
         if os.path.exists(self.down_flag):
@@ -145,14 +147,20 @@ class Summer(mlflow.pyfunc.PythonModel):
 
     def predict(self, context, model_input, params=None):
         rows = np.asarray(model_input, dtype=float) * (params or {}).get("scale", 1.0)
+        if self.calls:
+            with open(self.calls, "a") as calls:
+                calls.write(f"{len(rows)}\\n")
+            while os.path.exists(self.gate):
+                time.sleep(0.01)
         return np.full(len(rows), np.nan) if self.broken else rows.sum(axis=1)
 '''
 
 
 def _register(tracking_uri: str, name: str, code: Path, down_flag: Path,
-              broken: bool = False, params: dict[str, Any] | None = None) -> str:
+              broken: bool = False, params: dict[str, Any] | None = None,
+              gated: tuple[Path, Path] | None = None) -> str:
     """Register one version of the model in ``code`` (with a params schema when ``params``
-    gives their defaults); its version number."""
+    gives their defaults; ``gated``: its calls file and gate); its version number."""
     import importlib.util
 
     import mlflow
@@ -166,7 +174,8 @@ def _register(tracking_uri: str, name: str, code: Path, down_flag: Path,
     mlflow.set_tracking_uri(tracking_uri)
     with mlflow.start_run():
         info = mlflow.pyfunc.log_model(
-            name="model", python_model=module.Summer(str(down_flag), broken),
+            name="model", python_model=module.Summer(str(down_flag), broken,
+                                                     *(map(str, gated or ()))),
             code_paths=[str(code)], input_example=example,
             signature=infer_signature(example, np.array([3.0, 7.0]), params),
             registered_model_name=name)
@@ -384,3 +393,49 @@ def test_a_version_that_cannot_load_for_a_while_is_retried_one_that_fails_its_ch
     assert server.describe()["version"] == "2" and not server.describe()["retrying"]
     assert "HealthCheckFailed" in server.describe()["rejected"]["3"]
     assert _call(server, b'{"inputs": [[2, 2]]}') == (200, {"predictions": [4.0]})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_requests_that_queue_behind_a_prediction_are_predicted_together_next(
+        ray_cluster: None, raydeck_env: dict[str, str], mlflow_client: Any,
+        tmp_path: Path) -> None:
+    """Adaptive batching, the default (no batch wait): a request that finds the replica idle is
+    predicted alone at once; the requests that arrive while it is predicted wait for it and are
+    then predicted together, in one call."""
+    from raydeck.config import load_settings
+    from raydeck.serving.options import ServeOptions
+    from raydeck.serving.server import ModelServer
+
+    code, calls, gate = tmp_path / "summer_model.py", tmp_path / "calls", tmp_path / "gate"
+    code.write_text(MODEL_CODE)
+    name = f"gated-{uuid.uuid4().hex[:6]}"
+    assert _register(mlflow_client.tracking_uri, name, code, tmp_path / "store-down",
+                     gated=(calls, gate)) == "1"
+    server = ModelServer(ServeOptions(f"models:/{name}/1", max_batch_size=8), load_settings())
+
+    def predict_calls() -> list[str]:
+        return calls.read_text().split() if calls.exists() else []
+
+    seen = len(predict_calls())  # registration and the health check predicted the example
+    bodies = [json.dumps({"inputs": [[n, 1]]}).encode() for n in range(4)]
+
+    async def first_then_three_behind_it() -> list[Any]:
+        first = asyncio.create_task(server(_request(bodies[0])))
+        while len(predict_calls()) == seen:  # the first request is being predicted
+            await asyncio.sleep(0.01)
+        behind = [asyncio.create_task(server(_request(body))) for body in bodies[1:]]
+        for _ in range(10):  # each runs to its place in the batch queue (no real I/O here)
+            await asyncio.sleep(0)
+        gate.unlink()
+        return await asyncio.gather(first, *behind)
+
+    gate.touch()
+    try:
+        answers = asyncio.run(asyncio.wait_for(first_then_three_behind_it(), 60))
+    finally:
+        gate.unlink(missing_ok=True)
+        server.__del__()
+    assert [json.loads(answer.body) for answer in answers] == [
+        {"predictions": [float(n + 1)]} for n in range(4)]
+    assert predict_calls()[seen:] == ["1", "3"]

@@ -34,7 +34,9 @@ def serve(
                                                             "in-flight requests per replica."),
     max_batch_size: int = typer.Option(32, help="Requests predicted together (1: no "
                                                 "batching)."),
-    batch_wait_ms: float = typer.Option(5.0, help="How long a batch waits to fill."),
+    batch_wait_ms: float = typer.Option(0.0, help="How long a batch waits to fill (0: a "
+                                                  "lone request is predicted at once; batches "
+                                                  "form from requests that queue behind one)."),
     max_ongoing_requests: int = typer.Option(64, help="Requests one replica holds at once."),
     poll_interval: float = typer.Option(10.0, help="Seconds between alias checks."),
     max_request_bytes: int = typer.Option(8 * 1024 * 1024, help="Larger bodies get a 400."),

@@ -35,7 +35,9 @@ class ServeOptions:
             preset's count; unset: a fixed number of replicas.
         target_ongoing_requests: autoscaling's target of in-flight requests per replica.
         max_batch_size: requests predicted together (1 turns batching off).
-        batch_wait_timeout_s: how long a batch waits to fill.
+        batch_wait_timeout_s: how long a batch waits to fill. The default, 0, batches
+            adaptively: a request that finds its replica idle is predicted at once, and the
+            requests that queue behind a running prediction form the next batch.
         max_ongoing_requests: requests one replica holds at once (at least max_batch_size).
         poll_interval_s: how often replicas check the alias.
         max_request_bytes: larger request bodies get a 400.
@@ -50,7 +52,7 @@ class ServeOptions:
     max_replicas: int | None = None
     target_ongoing_requests: float = 8.0
     max_batch_size: int = 32
-    batch_wait_timeout_s: float = 0.005
+    batch_wait_timeout_s: float = 0.0
     max_ongoing_requests: int = 64
     poll_interval_s: float = 10.0
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES

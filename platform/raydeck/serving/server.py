@@ -249,7 +249,7 @@ class ModelServer:
         return Response(predictions_json(predictions), media_type=JSON_TYPE,
                         headers={VERSION_HEADER: version})
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.005)
+    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
     async def _predict_batch(self, requests: list[tuple[Parsed, LoadedModel]]
                              ) -> list[tuple[np.ndarray, str]]:
         """Predict the rows of every queued request in one call per model version (normally

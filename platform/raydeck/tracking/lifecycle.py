@@ -159,13 +159,16 @@ def _finish_after_signal(finisher: threading.Thread) -> None:
     normal exit's ``wait=True``) would keep a stopped process alive while MLflow is slow; the
     proxy holds the data either way. A finish that raised in the hand-over is retried, as KILLED.
     """
+    import ray
+
     finisher.join(SIGNAL_EXIT_GRACE_S)
     if finisher.is_alive():
         logger.warning("exiting %.0f s after the signal with %d run(s) still being handed to the "
                        "tracking proxy; it ends them when this process is gone",
                        SIGNAL_EXIT_GRACE_S, len(active()))
         return
-    finish_all("KILLED", wait=False, timeout_s=SIGNAL_FINISH_TIMEOUT_S)
+    if active() and ray.is_initialized():  # else calling the proxy would start a new local Ray
+        finish_all("KILLED", wait=False, timeout_s=SIGNAL_FINISH_TIMEOUT_S)
 
 
 def _install_signal_handlers() -> None:
