@@ -63,16 +63,24 @@ def test_an_elastic_job_starts_at_what_fits_and_grows_to_its_maximum_at_a_checkp
 
 
 @pytest.mark.timeout(10)
-def test_with_a_cost_a_growth_restarts_at_once_from_the_last_checkpoint() -> None:
-    # As above, but a resize costs what a preemption does: at 30 E grows at once, back to its
-    # checkpoint at 10 s of work (the 2.5 s of work since, 5 s on 1 of 4 workers: 1.25 s of the
-    # whole gang, lost) and restarts (5 s on 4 workers, lost); its 90 s left end at
-    # 30 + 5 + 90 = 125.
+def test_with_a_cost_a_shrink_is_at_once_and_a_growth_waits_for_a_checkpoint() -> None:
+    # A resize costs what a preemption does (5 s restart here). E (4 workers down to 2, 100 s,
+    # a checkpoint each 10 s) holds all 4 GPUs; G (2 GPUs) comes at 15. E shrinks at once,
+    # back to its checkpoint at 10 (5 s of work on the whole gang lost), restarts on 2 workers
+    # (5 s on half the gang: 2.5 lost) and runs its 90 s left at half speed: 15 + 5 + 180 = 200.
+    # G starts in the room at once: 15-35.
+    cost = PreemptionCost(restart_s=5)
+    trace = [_elastic("E", 0, 100, min_workers=2), _fixed("G", 15, 20, 2)]
+    schedule = {s.job.id: s for s in simulate(trace, Fifo(), GPUS4, cost=cost)}
+    assert schedule["G"].pieces == ((15, 35),)
+    assert (schedule["E"].pieces, schedule["E"].sizes) == (((0, 15), (15, 200)), (4, 2))
+    assert schedule["E"].lost_s == 7.5
+    # A growth gives nothing up: as in the test above E grows at its checkpoint at 45, losing
+    # only the restart (5 s on the whole gang), and its 80 s left end at 45 + 5 + 80 = 130.
     trace = [_fixed("F", 0, 30, 3), _elastic("E", 5, 100, min_workers=1, scaling=0.5)]
-    schedule = {s.job.id: s for s in simulate(trace, Fifo(), GPUS4,
-                                              cost=PreemptionCost(restart_s=5))}
-    assert schedule["E"].pieces == ((5, 30), (30, 125))
-    assert (schedule["E"].sizes, schedule["E"].lost_s) == ((1, 4), 6.25)
+    schedule = {s.job.id: s for s in simulate(trace, Fifo(), GPUS4, cost=cost)}
+    assert schedule["E"].pieces == ((5, 45), (45, 130))
+    assert (schedule["E"].sizes, schedule["E"].lost_s) == ((1, 4), 5.0)
 
 
 @pytest.mark.timeout(10)

@@ -24,11 +24,13 @@ shrinking those that may be stopped (:func:`~raydeck.scheduling.preemption_rules
 makes it fit; the room is kept for that job as a victim's is. They grow back into free room no
 waiting job can use, at a checkpoint (a restarted attempt, once it has run
 :data:`~raydeck.scheduling.preemption_rules.MIN_RUN_BEFORE_PREEMPTION_S`). A resize is a
-restart from the latest checkpoint: like a preemption, at the next checkpoint, losing nothing,
-or with a :class:`PreemptionCost` at once, losing the work since the last one and paying the
-restart; the job goes on at once at its new size (it does not queue). Work progresses at the
-speed of the current size (its scaling curve), and utilization counts the GPUs held at each
-size, less what bought no progress.
+restart from the latest checkpoint. A shrink is made as a preemption is: at the next checkpoint,
+losing nothing, or with a :class:`PreemptionCost` at once, losing the work since the last one;
+a growth, which nothing waits on, always at a checkpoint (with a cost, growing at once lost 1.7x
+the GPU-hours and made FIFO's average JCT 1.4x, SJF's 1.7x on the benchmark's trace). Either
+pays the restart with a cost, and the job goes on at once at its new size (it does not queue).
+Work progresses at the speed of the current size (its scaling curve), and utilization counts
+the GPUs held at each size, less what bought no progress.
 """
 
 from __future__ import annotations
@@ -421,8 +423,8 @@ class _Replay:
     def _grow(self, started: list[str], now: float) -> None:
         """Grow elastic jobs into free room no waiting job can use (:func:`~raydeck.scheduling.
         elastic.grow`): one started just now at once, in place; a running one by a resize now,
-        if it may be stopped (:func:`~raydeck.scheduling.preemption_rules.preemptible`) and,
-        without a cost, is at a checkpoint. Then wake at the next checkpoint of each elastic
+        if it may be stopped (:func:`~raydeck.scheduling.preemption_rules.preemptible`) and is
+        at a checkpoint (module docstring). Then wake at the next checkpoint of each elastic
         job that may have to shrink or may grow."""
         queued = {job.id for job in self.queue}
         if self.resizing or self.stopping or any(
@@ -438,7 +440,7 @@ class _Replay:
                 return False
             checkpoints = self._checkpoints(job.running, now)
             assert checkpoints is not None, "an elastic job checkpoints (TraceJob)"
-            return self.cost is not None or checkpoints[0] - checkpoints[1] < 1e-9
+            return checkpoints[0] - checkpoints[1] < 1e-9
 
         elastic = self._resizable(views)
         for job_id, size in resizing.grow(self.policy, self.queue, views, elastic, self.free,
