@@ -82,14 +82,13 @@ class Resizable:
     @property
     def surplus(self) -> Resources:
         """What it holds above its minimum."""
-        return self.running.job.needs - self.elasticity.needs_at(self.full, self.elasticity
-                                                                 .min_workers)
+        return self.running.job.needs - self.needs_at(self.elasticity.min_workers)
 
     def needs_at(self, workers: int) -> Resources:
         return self.elasticity.needs_at(self.full, workers)
 
 
-def head(policy: Policy, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
+def _head(policy: Policy, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
          now: float) -> QueuedJob | None:
     """The policy's first waiting job within its quota: the one room is made for (as
     :meth:`Policy.preempt` picks it)."""
@@ -108,7 +107,7 @@ def shrink(policy: Policy, queue: Sequence[QueuedJob], running: Sequence[Running
 
     ``running`` and ``free`` leave out (and count as free) what is already being given back.
     """
-    first = head(policy, queue, running, now)
+    first = _head(policy, queue, running, now)
     if first is None or free.fits(first.needs):
         return first, []
     candidates = sorted((r for r in elastic if r.workers > r.elasticity.min_workers
@@ -136,7 +135,7 @@ def grow(policy: Policy, queue: Sequence[QueuedJob], running: Sequence[RunningJo
     shrink last first, each to the largest size that fits. None while the first waiting job
     would fit with every elastic job at its minimum (that room is its, through :func:`shrink`).
     """
-    first = head(policy, queue, running, now)
+    first = _head(policy, queue, running, now)
     surplus = Resources.total(r.surplus for r in elastic)
     if first is not None and (free + surplus).fits(first.needs):
         return []
