@@ -4,6 +4,7 @@ Ray."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,13 @@ def test_elastic_jobs_on_a_generated_trace_do_all_their_work_within_capacity() -
         for _, delta in sorted(events):
             held += delta
             assert held <= capacity.gpus + 1e-6, name
+    # With a cost and a linear curve, the GPU-time that bought progress is the job's work at
+    # full size, however often it was resized: what each resize lost is counted exactly.
+    linear = [dataclasses.replace(job, scaling=1.0) for job in trace]
+    schedule = simulate(linear, make_policy("priority"), capacity, cost=PreemptionCost())
+    assert sum(s.resizes for s in schedule) > 0 and sum(s.lost_s for s in schedule) > 0
+    for s in schedule:
+        assert abs(s.useful_s - s.job.duration_s) < 1e-6 * max(s.job.duration_s, 1), s.job.id
 
 
 @pytest.mark.timeout(10)

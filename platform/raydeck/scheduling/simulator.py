@@ -476,8 +476,12 @@ class _Replay:
         grown = trace.queued(self.done_before.get(job_id, 0.0), size)
         self.running[job_id] = RunningJob(grown, old.started_s, old.checkpoint_s, old.resumed)
         self.free = self.free - grown.needs
+        overhead = self.overhead.get(job_id, 0.0)
+        if overhead:  # a resumed job's restart, lost at the size it restarts at
+            self.lost[job_id] += overhead * (self._share(job_id, size)
+                                             - self._share(job_id, self.size[job_id]))
         self.size[job_id] = size
-        self._end_at(job_id, _after(now + self.overhead.get(job_id, 0.0), trace.duration_s,
+        self._end_at(job_id, _after(now + overhead, trace.duration_s,
                                     self.done_before.get(job_id, 0.0),
                                     trace.elasticity.speed(size)))
 
