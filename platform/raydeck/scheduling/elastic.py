@@ -132,7 +132,7 @@ def grow(policy: Policy, queue: Sequence[QueuedJob], running: Sequence[RunningJo
          elastic: Sequence[Resizable], free: Resources, now: float,
          can_resize: Callable[[Resizable], bool]) -> list[tuple[str, int]]:
     """The elastic jobs to grow into ``free``: ``[(id, new size)]``, the job the policy would
-    shrink last first, each to the largest size that fits. None while the first waiting job
+    shrink last first, each to the largest size that fits. Nothing while the first waiting job
     would fit with every elastic job at its minimum (that room is its, through :func:`shrink`).
     """
     first = _head(policy, queue, running, now)
