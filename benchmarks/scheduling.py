@@ -2,7 +2,7 @@
 
 Replays a seeded synthetic trace and each public trace in ``benchmarks/traces/`` (source,
 licence and conversion in its README; each on its own cluster size), or only ``--trace`` (your
-own cluster's CSV, format in ``raydeck.scheduling.simulator``), through every policy with the
+own cluster's CSV, format in ``raydeck.scheduling.trace``), through every policy with the
 simulator, which drives the same policy objects the queue uses, and prints per policy: average
 and p95 job completion time (JCT), average queueing delay, the longest wait, GPU utilization
 over the replay, Jain's fairness index across teams (of their mean slowdown), the top priority's
@@ -22,7 +22,17 @@ history; on a public trace, from nothing) and learns from the jobs that finish. 
 traces (Philly, Helios, PAI) were not brought in: pass one converted to the trace CSV with
 ``--trace``.
 
-Run: ``.venv/bin/python benchmarks/scheduling.py`` (seconds).
+A third table replays each trace with elastic jobs (issue 29): ``--elastic-fraction`` of its
+multi-GPU jobs (seeded) may run on as few as half their workers (one worker per GPU), at the
+scaling curve ``(w / workers) ** --elastic-scaling`` of full speed (0.8 by default: half the
+workers run at 57% of full speed, a data-parallel job's usual sublinear scaling). Every job
+checkpoints each ``--checkpoint-minutes`` of work in both replays, so the fixed-gang replay is the
+same trace with the same preemptions open to it; per policy, without a preemption cost and with
+one: average JCT with fixed gangs and with elasticity and their ratio, GPU utilization and
+preemptions of both, the elastic replay's resizes, and the GPU-hours lost to preemptions and
+resizes (fixed / elastic).
+
+Run: ``.venv/bin/python benchmarks/scheduling.py`` (about a minute; 53 s on this 2-core machine).
 """
 
 from __future__ import annotations
@@ -84,6 +94,10 @@ def main() -> None:
                         help="work between checkpoints in the preempting replay")
     parser.add_argument("--estimate-error", type=float, default=1.0,
                         help="sigma of the log-normal estimate error in the second trace")
+    parser.add_argument("--elastic-fraction", type=float, default=0.5,
+                        help="share of the multi-GPU jobs that are elastic in the third table")
+    parser.add_argument("--elastic-scaling", type=float, default=0.8,
+                        help="the elastic jobs' scaling exponent (1: linear)")
     args = parser.parse_args()
 
     aging_s = args.aging_hours * 3600
@@ -108,6 +122,8 @@ def main() -> None:
         services = ([service_rate(job.needs) * job.duration_s for job in history]
                     if source.startswith("generated") else [])
         compare(checkpointed, capacity, aging_s, args.estimate_error, args.seed, services)
+        elasticity(checkpointed, capacity, aging_s, args.elastic_fraction, args.elastic_scaling,
+                   args.seed)
 
 
 def policies(trace: list[TraceJob], checkpointed: list[TraceJob], capacity: Resources,
@@ -165,6 +181,42 @@ def compare(trace: list[TraceJob], capacity: Resources, aging_s: float, error: f
                   f" {report.avg_completion_s / fifo.avg_completion_s:9.2f}"
                   f" {report.avg_completion_s / ideal:9.2f}")
 
+
+def elastic_variant(trace: list[TraceJob], fraction: float, scaling: float,
+                    seed: int) -> list[TraceJob]:
+    """``trace`` (every job checkpointing) with ``fraction`` of its multi-GPU jobs, drawn with
+    ``seed``, elastic: one worker per GPU, down to half of them, at ``scaling``."""
+    rng = random.Random(seed)
+    return [dataclasses.replace(job, workers=int(job.needs.gpus),
+                                min_workers=int(job.needs.gpus) // 2, scaling=scaling)
+            if job.needs.gpus >= 2 and job.needs.gpus == int(job.needs.gpus)
+            and rng.random() < fraction else job
+            for job in trace]
+
+
+def elasticity(trace: list[TraceJob], capacity: Resources, aging_s: float, fraction: float,
+               scaling: float, seed: int) -> None:
+    """The third table (module docstring): each policy on ``trace`` (every job checkpointing)
+    with fixed gangs, then with elastic jobs; without a preemption cost, then with one."""
+    elastic = elastic_variant(trace, fraction, scaling, seed)
+    count = sum(job.elasticity.elastic for job in elastic)
+    print(f"\nelastic: {count} of {len(trace)} jobs ({fraction:g} of the multi-GPU ones), "
+          f"down to half their workers, speed (w/workers)**{scaling:g}; cost: none, or the "
+          f"work since the last checkpoint + {PreemptionCost().restart_s:g} s restart per "
+          "preemption or resize")
+    print(f"{'policy':<13} {'cost':<5} {'avg JCT':>9} {'elastic':>9} {'ratio':>6} {'util':>6} "
+          f"{'elastic':>7} {'preempt':>8} {'elastic':>8} {'resizes':>8} {'GPU-h lost':>10}")
+    for name in (*POLICIES, "las"):
+        for cost in (None, PreemptionCost()):
+            fixed, grown = (Report.of(name, simulate(jobs, make_policy(name, aging_s=aging_s),
+                                                     capacity, cost=cost), capacity)
+                            for jobs in (trace, elastic))
+            print(f"{name:<13} {'yes' if cost else 'no':<5} {fixed.avg_completion_s / 60:8.1f}m"
+                  f" {grown.avg_completion_s / 60:8.1f}m"
+                  f" {grown.avg_completion_s / fixed.avg_completion_s:6.2f}"
+                  f" {fixed.utilization:6.2f} {grown.utilization:7.2f}"
+                  f" {fixed.preemptions:8d} {grown.preemptions:8d} {grown.resizes:8d}"
+                  f" {fixed.lost_gpu_hours:4.0f}/{grown.lost_gpu_hours:<5.0f}")
 
 if __name__ == "__main__":
     main()

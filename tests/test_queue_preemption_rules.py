@@ -23,8 +23,9 @@ from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.policies import POLICIES, Resources, make_policy
 from raydeck.scheduling.preemption_rules import MIN_RUN_BEFORE_PREEMPTION_S
 from raydeck.scheduling.queue import JobQueue, JobSpec
-from raydeck.scheduling.simulator import TraceJob, simulate
+from raydeck.scheduling.simulator import simulate
 from raydeck.scheduling.store import Store
+from raydeck.scheduling.trace import TraceJob
 from raydeck.training import end_if_preempted
 from tests.fixtures.fake_job_server import FakeJobServer
 

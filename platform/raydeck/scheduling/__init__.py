@@ -3,8 +3,10 @@
 Modules: :mod:`~raydeck.scheduling.policies` (FIFO, priority with aging, shortest job first,
 fair share with quotas, EASY backfill, preemption victims, placement-aware admission; one
 interface), :mod:`~raydeck.scheduling.attained_service` (Tiresias' LAS and Gittins),
-:mod:`~raydeck.scheduling.simulator` (replaying a trace through a policy without Ray; seeded
-heavy-tailed traces), the queue (:mod:`~raydeck.scheduling.queue`, its store, actor, client and
+:mod:`~raydeck.scheduling.simulator` (replaying a trace through a policy without Ray),
+:mod:`~raydeck.scheduling.trace` (the trace format; seeded heavy-tailed traces),
+:mod:`~raydeck.scheduling.elastic` (elastic jobs: scaling curves, when they shrink and grow), the
+queue (:mod:`~raydeck.scheduling.queue`, its store, actor, client and
 job server), :mod:`~raydeck.scheduling.history` (earlier durations of a job, from MLflow) and
 the queue's side of preemption (a job's side, the signal it reads, is
 :mod:`raydeck.preemption`).
@@ -31,12 +33,9 @@ from raydeck.scheduling.simulator import (
     PreemptionCost,
     Report,
     Scheduled,
-    TraceJob,
-    generate_trace,
-    read_trace,
     simulate,
-    write_trace,
 )
+from raydeck.scheduling.trace import TraceJob, generate_trace, read_trace, write_trace
 
 __all__ = [
     "RESTART_OVERHEAD_S", "Backfill", "Capacity", "FairShare", "Fifo", "Gang", "Gittins",

@@ -115,7 +115,8 @@ def predicted_starts(policy: Policy, ordered: list[QueuedJob], running: list[Run
     """When each queued job should start: a copy of ``policy`` (the replay charges its usage,
     and the listing shows the service ``policy`` knows) replayed with running jobs ending at
     their estimates and no new arrivals."""
-    from raydeck.scheduling.simulator import TraceJob, simulate
+    from raydeck.scheduling.simulator import simulate
+    from raydeck.scheduling.trace import TraceJob
 
     ahead = [TraceJob(r.job.id, now, max(r.expected_end_s - now, 0.0), r.job.needs,
                       r.job.team, 0) for r in running]
