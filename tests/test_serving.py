@@ -29,6 +29,7 @@ import pytest
 
 from tests.fixtures.processes import free_port, wait_until
 from tests.fixtures.prometheus import DASHBOARDS_DIR, PrometheusServer
+from tests.fixtures.summer_model import SUMMER_CODE, register_summer
 
 CLI_TIMEOUT_S = 240
 REQUESTS = 1000
@@ -436,6 +437,55 @@ def test_the_serving_dashboard_has_data_for_every_panel(
     wait_until(every_panel_has_data, 120, "every Serving panel to have data", interval_s=2)
     serving = [m for m in METRICS if m.name.startswith("raydeck_serving_")]
     assert not prometheus.unexported(serving, time.time() - started + 60)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_requests_that_queue_behind_a_prediction_are_predicted_together_next(
+        served: Served, mlflow_client: Any, tmp_path: Path) -> None:
+    """Adaptive batching, the default (no batch wait): a request that finds its replica idle
+    is predicted alone at once; the requests that arrive while it is predicted wait for it and
+    are then predicted together, in one call. A second application on the module's Serve, one
+    replica of a model whose predict calls are logged and held at a gate."""
+    from ray import serve
+
+    code, calls, gate = tmp_path / "summer_model.py", tmp_path / "calls", tmp_path / "gate"
+    code.write_text(SUMMER_CODE)
+    name = f"gated-{uuid.uuid4().hex[:6]}"
+    assert register_summer(mlflow_client.tracking_uri, name, code, tmp_path / "store-down",
+                           gated=(calls, gate)) == "1"
+    port = served.url.rsplit(":", 1)[1]
+    deployed = _cli("serve", f"models:/{name}/1", "--name", name, "--preset", "cpu-1",
+                    "--port", port, "--route-prefix", f"/{name}", env=served.env)
+    assert deployed.returncode == 0, deployed.stdout[-3000:] + deployed.stderr[-3000:]
+    url = f"{served.url}/{name}"
+
+    def predict_calls() -> list[str]:
+        return calls.read_text().split() if calls.exists() else []
+
+    def in_batches() -> int:
+        with urllib.request.urlopen(f"{url}/health", timeout=10) as answer:
+            return int(json.loads(answer.read())["in_batches"])
+
+    seen = len(predict_calls())  # registration and the replica's health check
+    gate.touch()
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            first = pool.submit(_post, f"{url}/invocations", b'{"inputs": [[0, 1]]}')
+            wait_until(lambda: len(predict_calls()) > seen, 60,
+                       "the first request to be predicted")
+            behind = [pool.submit(_post, f"{url}/invocations",
+                                  json.dumps({"inputs": [[n, 1]]}).encode())
+                      for n in (1, 2, 3)]
+            wait_until(lambda: in_batches() == 4, 60, "three requests to queue behind it")
+            gate.unlink()
+            answers = [future.result(timeout=60) for future in (first, *behind)]
+    finally:
+        gate.unlink(missing_ok=True)
+        serve.delete(name)
+    assert [(status, body) for status, _, body in answers] == [
+        (200, {"predictions": [float(n + 1)]}) for n in range(4)]
+    assert predict_calls()[seen:] == ["1", "3"]
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from raydeck.serving.protocol import (
     parse_request,
 )
 from tests.fixtures.processes import wait_until
+from tests.fixtures.summer_model import SUMMER_CODE, register_summer
 
 EXPECTED = TensorInput(width=2, dtype="float64")
 
@@ -127,61 +128,6 @@ def test_what_may_pass_is_told_from_what_will_not() -> None:
     assert not is_transient(ModuleNotFoundError("No module named 'sklearn'"))
 
 
-# A pyfunc model whose loading fails while a flag file exists (a store that is down) and whose
-# predictions are the rows' sums, or NaN when built to fail its health check. Given a calls
-# file, each predict call appends its row count there and then holds while the gate file exists.
-MODEL_CODE = '''
-import os
-import time
-import numpy as np
-import mlflow.pyfunc
-
-
-class Summer(mlflow.pyfunc.PythonModel):
-    def __init__(self, down_flag, broken, calls=None, gate=None):
-        self.down_flag, self.broken, self.calls, self.gate = down_flag, broken, calls, gate
-
-    def load_context(self, context):
-        if os.path.exists(self.down_flag):
-            raise ConnectionError("artifact store at http://bob:hunter2secret@store:9000 is down")
-
-    def predict(self, context, model_input, params=None):
-        rows = np.asarray(model_input, dtype=float) * (params or {}).get("scale", 1.0)
-        if self.calls:
-            with open(self.calls, "a") as calls:
-                calls.write(f"{len(rows)}\\n")
-            while os.path.exists(self.gate):
-                time.sleep(0.01)
-        return np.full(len(rows), np.nan) if self.broken else rows.sum(axis=1)
-'''
-
-
-def _register(tracking_uri: str, name: str, code: Path, down_flag: Path,
-              broken: bool = False, params: dict[str, Any] | None = None,
-              gated: tuple[Path, Path] | None = None) -> str:
-    """Register one version of the model in ``code`` (with a params schema when ``params``
-    gives their defaults; ``gated``: its calls file and gate); its version number."""
-    import importlib.util
-
-    import mlflow
-    from mlflow.models import infer_signature
-
-    spec = importlib.util.spec_from_file_location("summer_model", code)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    example = np.array([[1.0, 2.0], [3.0, 4.0]])
-    mlflow.set_tracking_uri(tracking_uri)
-    with mlflow.start_run():
-        info = mlflow.pyfunc.log_model(
-            name="model", python_model=module.Summer(str(down_flag), broken,
-                                                     *(map(str, gated or ()))),
-            code_paths=[str(code)], input_example=example,
-            signature=infer_signature(example, np.array([3.0, 7.0]), params),
-            registered_model_name=name)
-    return str(info.registered_model_version)
-
-
 def _request(body: bytes | list[bytes], path: str = "/invocations", method: str = "POST",
              content_type: str | None = None) -> Any:
     from starlette.requests import Request
@@ -216,11 +162,11 @@ def replica(ray_cluster: None, raydeck_env: dict[str, str], mlflow_client: Any,
     from raydeck.serving.server import ModelServer
 
     code = tmp_path / "summer_model.py"
-    code.write_text(MODEL_CODE)
+    code.write_text(SUMMER_CODE)
     down_flag = tmp_path / "store-down"
     name = f"summer-{uuid.uuid4().hex[:6]}"
     uri = mlflow_client.tracking_uri
-    assert _register(uri, name, code, down_flag) == "1"
+    assert register_summer(uri, name, code, down_flag) == "1"
     promote(uri, name, "1", "champion")
     monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "hunter2secret")
     server = ModelServer(ServeOptions(f"models:/{name}@champion", poll_interval_s=0.2,
@@ -351,7 +297,7 @@ def test_a_model_with_a_params_schema_gets_its_params_as_mlflow_models_serve_pas
     from raydeck.serving.server import ModelServer
 
     name = f"scaled-{uuid.uuid4().hex[:6]}"
-    assert _register(replica["uri"], name, replica["code"], replica["down"],
+    assert register_summer(replica["uri"], name, replica["code"], replica["down"],
                      params={"scale": 1.0}) == "1"
     server = ModelServer(ServeOptions(f"models:/{name}/1", max_batch_size=1), load_settings())
     both = _mlflow_and(server, f"models:/{name}/1", monkeypatch)
@@ -376,7 +322,7 @@ def test_a_version_that_cannot_load_for_a_while_is_retried_one_that_fails_its_ch
     # Version 2 cannot be loaded while its store is "down": the replica keeps version 1, says
     # it is retrying, and switches once the store is back, without the alias moving again.
     replica["down"].write_text("down")
-    assert _register(uri, name, replica["code"], replica["down"]) == "2"
+    assert register_summer(uri, name, replica["code"], replica["down"]) == "2"
     promote(uri, name, "2", "champion")
     wait_until(lambda: "2" in server.describe()["retrying"], 60, "version 2 to be retried")
     health = json.dumps(_call(server, b"", "/health", "GET"))
@@ -387,55 +333,10 @@ def test_a_version_that_cannot_load_for_a_while_is_retried_one_that_fails_its_ch
     wait_until(lambda: server.describe()["version"] == "2", 60, "version 2 to be served")
     assert not server.describe()["retrying"]
     # Version 3 loads but predicts NaN for its own input example: refused, not retried.
-    assert _register(uri, name, replica["code"], replica["down"], broken=True) == "3"
+    assert register_summer(uri, name, replica["code"], replica["down"], broken=True) == "3"
     promote(uri, name, "3", "champion")
     wait_until(lambda: "3" in server.describe()["rejected"], 60, "version 3 to be refused")
     assert server.describe()["version"] == "2" and not server.describe()["retrying"]
     assert "HealthCheckFailed" in server.describe()["rejected"]["3"]
     assert _call(server, b'{"inputs": [[2, 2]]}') == (200, {"predictions": [4.0]})
 
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_requests_that_queue_behind_a_prediction_are_predicted_together_next(
-        ray_cluster: None, raydeck_env: dict[str, str], mlflow_client: Any,
-        tmp_path: Path) -> None:
-    """Adaptive batching, the default (no batch wait): a request that finds the replica idle is
-    predicted alone at once; the requests that arrive while it is predicted wait for it and are
-    then predicted together, in one call."""
-    from raydeck.config import load_settings
-    from raydeck.serving.options import ServeOptions
-    from raydeck.serving.server import ModelServer
-
-    code, calls, gate = tmp_path / "summer_model.py", tmp_path / "calls", tmp_path / "gate"
-    code.write_text(MODEL_CODE)
-    name = f"gated-{uuid.uuid4().hex[:6]}"
-    assert _register(mlflow_client.tracking_uri, name, code, tmp_path / "store-down",
-                     gated=(calls, gate)) == "1"
-    server = ModelServer(ServeOptions(f"models:/{name}/1", max_batch_size=8), load_settings())
-
-    def predict_calls() -> list[str]:
-        return calls.read_text().split() if calls.exists() else []
-
-    seen = len(predict_calls())  # registration and the health check predicted the example
-    bodies = [json.dumps({"inputs": [[n, 1]]}).encode() for n in range(4)]
-
-    async def first_then_three_behind_it() -> list[Any]:
-        first = asyncio.create_task(server(_request(bodies[0])))
-        while len(predict_calls()) == seen:  # the first request is being predicted
-            await asyncio.sleep(0.01)
-        behind = [asyncio.create_task(server(_request(body))) for body in bodies[1:]]
-        for _ in range(10):  # each runs to its place in the batch queue (no real I/O here)
-            await asyncio.sleep(0)
-        gate.unlink()
-        return await asyncio.gather(first, *behind)
-
-    gate.touch()
-    try:
-        answers = asyncio.run(asyncio.wait_for(first_then_three_behind_it(), 60))
-    finally:
-        gate.unlink(missing_ok=True)
-        server.__del__()
-    assert [json.loads(answer.body) for answer in answers] == [
-        {"predictions": [float(n + 1)]} for n in range(4)]
-    assert predict_calls()[seen:] == ["1", "3"]

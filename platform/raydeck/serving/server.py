@@ -2,10 +2,10 @@
 an alias.
 
 Owns: :class:`ModelServer`, the class every replica of a ``raydeck serve`` application runs:
-HTTP routes (``POST /invocations``, ``GET /ping``, ``/health``, ``/version``), dynamic batching
-(``@serve.batch``, sizes settable through the deployment's ``user_config``), and following a
-registry alias. Does not own: building or deploying the application (:mod:`raydeck.serving.app`)
-or the request format (:mod:`raydeck.serving.protocol`).
+HTTP routes (``POST /invocations``, ``GET /ping``, ``/health``, ``/version``), adaptive batching
+(:mod:`raydeck.serving.batching`, sizes settable through the deployment's ``user_config``), and
+following a registry alias. Does not own: building or deploying the application
+(:mod:`raydeck.serving.app`) or the request format (:mod:`raydeck.serving.protocol`).
 
 Why a replica follows its alias itself instead of being redeployed: a replica that loads the new
 version beside the one it serves, checks it on the model's own input example, and only then swaps
@@ -31,6 +31,7 @@ from ray import serve
 
 from raydeck.models import ModelRef, resolve_model_uri
 from raydeck.redaction import redact_text
+from raydeck.serving.batching import AdaptiveBatcher
 from raydeck.serving.protocol import (
     JSON_TYPE,
     InputError,
@@ -62,7 +63,6 @@ RETRY_MAX_S = 60.0
 def _replica_id() -> str:
     """This replica's id in Serve (``/health`` shows it, so a client can tell replicas apart);
     empty when the class runs outside a Serve replica (in-process tests)."""
-    from ray import serve
     from ray.serve.exceptions import RayServeException
 
     try:
@@ -185,6 +185,8 @@ class ModelServer:
         self._rejected: dict[str, str] = {}
         self._retrying: dict[str, _Retry] = {}
         self._stop = threading.Event()
+        self._batcher: AdaptiveBatcher[tuple[Parsed, LoadedModel], tuple[np.ndarray, str]] = \
+            AdaptiveBatcher(self._predict_batch, 1)
         self.reconfigure(options.user_config())
         if options.follows_alias:
             threading.Thread(target=self._follow, name="raydeck-follow-alias",
@@ -193,9 +195,7 @@ class ModelServer:
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's in-place update: new batch settings without restarting the replica."""
         self._max_batch_size = int(user_config["max_batch_size"])
-        batcher: Any = self._predict_batch  # serve.batch adds the setters to the method
-        batcher.set_max_batch_size(self._max_batch_size)
-        batcher.set_batch_wait_timeout_s(float(user_config["batch_wait_timeout_s"]))
+        self._batcher.configure(self._max_batch_size, float(user_config["batch_wait_timeout_s"]))
 
     def check_health(self) -> None:
         """Serve's replica health check: a replica always holds a loaded model."""
@@ -208,7 +208,8 @@ class ModelServer:
         return {"replica": self._replica,
                 "model_uri": self._options.model_uri, "version": loaded.ref.version,
                 "pinned_uri": loaded.ref.pinned_uri, "run_id": loaded.ref.run_id,
-                "max_batch_size": self._max_batch_size, "rejected": dict(self._rejected),
+                "max_batch_size": self._max_batch_size, "in_batches": self._batcher.pending,
+                "rejected": dict(self._rejected),
                 "retrying": {version: f"attempt {retry.attempts}: {retry.reason}"
                              for version, retry in self._retrying.items()}}
 
@@ -241,7 +242,7 @@ class ModelServer:
         if self._max_batch_size > 1:
             # The batch is predicted by the version this request was validated against, even
             # when the alias moves while it waits.
-            predictions, version = await self._predict_batch((parsed, loaded))
+            predictions, version = await self._batcher.submit((parsed, loaded))
         else:
             predictions = await asyncio.get_running_loop().run_in_executor(
                 self._executor, loaded.predict, parsed.rows)
@@ -249,7 +250,6 @@ class ModelServer:
         return Response(predictions_json(predictions), media_type=JSON_TYPE,
                         headers={VERSION_HEADER: version})
 
-    @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.0)
     async def _predict_batch(self, requests: list[tuple[Parsed, LoadedModel]]
                              ) -> list[tuple[np.ndarray, str]]:
         """Predict the rows of every queued request in one call per model version (normally
