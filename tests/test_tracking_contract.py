@@ -306,6 +306,9 @@ def _participants(key: str) -> int:
 
 
 SIGTERMED_EXIT_TIMEOUT_S = 60
+# Longer than the signal handler's own wait for the hand-over (3 s), well within the exit's
+# grace (lifecycle.SIGNAL_EXIT_GRACE_S, 10 s from the signal).
+PROXY_FROZEN_S = 5.0
 SIGTERM_DRIVER = """
     import sys, time
     import raydeck
@@ -348,6 +351,46 @@ def test_a_sigtermed_driver_ends_its_run_killed_with_its_data(ray_cluster: None,
     driver = driver_process(SIGTERM_DRIVER)
     run_id = read_line_with(driver, "RUN ")
     _sigterm(driver)
+    _assert_ended_killed_with_everything(mlflow_client, run_id)
+
+
+def _proxy_pids() -> list[int]:
+    """The session cluster's tracking routers and shards (every namespace's)."""
+    import ray
+    from ray.util.state import list_actors
+
+    from raydeck.tracking.proxy import ROUTER_NAME, SHARD_NAME_PREFIX
+
+    alive = list_actors(address=ray.get_runtime_context().gcs_address,
+                        filters=[("state", "=", "ALIVE")], limit=10_000)
+    return [actor.pid for actor in alive
+            if actor.name == ROUTER_NAME or (actor.name or "").startswith(SHARD_NAME_PREFIX)]
+
+
+def _signal_all(pids: list[int], sig: signal.Signals) -> None:
+    for pid in pids:
+        os.kill(pid, sig)
+
+
+@pytest.mark.timeout(300)
+def test_a_sigtermed_driver_whose_proxy_is_slow_hands_its_data_over_and_ends_killed(
+        ray_cluster: None, mlflow_client: Any) -> None:
+    """The proxy frozen for 5 s around the SIGTERM: the signal's own hand-over times out, the
+    exit keeps trying until the proxy answers (never finishing the run a second time,
+    FINISHED), then exits with the signal; no tracker thread calls Ray after Ray's exit hook
+    (which would start a new local Ray in the dying driver)."""
+    driver = driver_process(SIGTERM_DRIVER)
+    run_id = read_line_with(driver, "RUN ")
+    pids = _proxy_pids()
+    assert pids, "the driver's tracker started the proxy"
+    _signal_all(pids, signal.SIGSTOP)
+    thaw = threading.Timer(PROXY_FROZEN_S, _signal_all, (pids, signal.SIGCONT))
+    thaw.start()
+    try:
+        _sigterm(driver)
+    finally:
+        thaw.cancel()
+        _signal_all(pids, signal.SIGCONT)
     _assert_ended_killed_with_everything(mlflow_client, run_id)
 
 

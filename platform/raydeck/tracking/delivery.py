@@ -342,7 +342,7 @@ class Delivery:
                         ray.exceptions.RaySystemError, ray.exceptions.RayTaskError) as exc:
                     reason = _reason(exc)
                     self._last_failure = reason
-                    if time.monotonic() >= deadline:
+                    if time.monotonic() >= deadline or self._closed.is_set():
                         raise TrackingUnavailableError(
                             f"tracking proxy did not take the data of run "
                             f"{self._request.run_key} ({reason}); "
@@ -386,6 +386,8 @@ class Delivery:
 
     def reconnect(self) -> None:
         """Find the proxy again (Ray restarts it; if it was stopped, this recreates it)."""
+        if self._closed.is_set():
+            return
         try:
             self._router = get_router(self._settings)
             binding = ray.get(self._router.attach.remote(self._request),
@@ -452,23 +454,30 @@ class Delivery:
                     return ended
                 # A restarted router that has not heard from this process yet: attach again
                 # (as the heartbeat would), so that this detach can end the run.
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or self._closed.is_set():
                     raise TrackingUnavailableError(
                         f"tracking router lost this process's part in run "
                         f"{self._request.run_key} and it could not attach again")
                 time.sleep(0.2)
                 self.reconnect()
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                if time.monotonic() >= deadline:
+                if time.monotonic() >= deadline or self._closed.is_set():
                     raise TrackingUnavailableError(
                         f"tracking router did not take the end of this process's part in run "
                         f"{self._request.run_key} ({type(exc).__name__})") from None
                 time.sleep(0.2)
                 self.reconnect()
 
-    def close(self) -> None:
+    def stop(self) -> None:
+        """Make the background threads, and any send or detach retrying, stop calling Ray at
+        their next check; returns at once. For a process that exits with data not handed over:
+        Ray's own exit hook shuts Ray down next, and a Ray call after that would start a new
+        local Ray inside the dying process."""
         self._closed.set()
         self._wake.set()
+
+    def close(self) -> None:
+        self.stop()
         current = threading.current_thread()
         for thread in (self._thread, self._heartbeat_thread):
             if thread is not current:

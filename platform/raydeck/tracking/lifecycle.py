@@ -24,6 +24,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any, Protocol
@@ -31,9 +32,12 @@ from typing import Any, Protocol
 logger = logging.getLogger(__name__)
 
 SIGNAL_FINISH_TIMEOUT_S = 2.5
-# After a signal, how much longer the exit waits for the runs to be handed over (``ray job stop``
-# kills at 3 s anyway; a plain SIGTERM gets this long before the interpreter exits).
+# After a signal, how long the exit keeps handing the runs over, counted from the signal
+# (``ray job stop`` kills at 3 s anyway; a plain SIGTERM gets this long before the interpreter
+# exits, so a proxy that is slow for a few seconds still gets the data).
 SIGNAL_EXIT_GRACE_S = 10.0
+# Between two hand-over attempts at exit.
+SIGNAL_RETRY_PAUSE_S = 0.2
 TRAIN_HANDOFF_TIMEOUT_S = 4.0
 
 
@@ -46,6 +50,8 @@ class LiveTracker(Protocol):
 
     def finish(self, status: str = "FINISHED", timeout_s: float | None = None,
                wait: bool = True) -> Any: ...
+
+    def abandon(self) -> None: ...
 
 
 @dataclass
@@ -64,6 +70,7 @@ _signals_installed = False
 _uncaught_exception = False
 _previous_handlers: dict[int, Any] = {}
 _signal_finisher: threading.Thread | None = None
+_signalled_at = 0.0
 
 
 def register(tracker: LiveTracker, key: str | None, run_name: str | None, parent: str | None,
@@ -136,39 +143,54 @@ def install_hooks(in_main_thread_driver: bool) -> None:
 
 
 def _finish_at_exit() -> None:
+    """End this process's runs, then stop the trackers that could not be ended.
+
+    Ray's own exit hook (registered before this one, so it runs after it) shuts Ray down next;
+    a tracker thread calling Ray after that would start a new local Ray inside the exiting
+    process. So whatever is still active here is abandoned: the proxy ends those runs when it
+    finds the process gone, with everything it already holds.
+    """
     import ray
 
     if _signal_finisher is not None:
         _finish_after_signal(_signal_finisher)
-        return
-    if not active():
-        return
-    if not ray.is_initialized():
-        # Ray was shut down first (its own atexit hook, or the program): the proxy cannot be
-        # reached from here any more, and calling it would start a new local Ray.
-        logger.warning("exiting after ray.shutdown(): %d run(s) not finished; their processes "
-                       "are presumed gone when Ray reports their job ended", len(active()))
-        return
-    finish_all("FAILED" if _uncaught_exception else "FINISHED", wait=True)
+    elif active():
+        if ray.is_initialized():
+            finish_all("FAILED" if _uncaught_exception else "FINISHED", wait=True)
+        else:
+            # Ray was shut down first (its own atexit hook, or the program): the proxy cannot
+            # be reached from here any more.
+            logger.warning("exiting after ray.shutdown(): %d run(s) not finished; their "
+                           "processes are presumed gone when Ray reports their job ended",
+                           len(active()))
+    for tracker in active():
+        tracker.abandon()
 
 
 def _finish_after_signal(finisher: threading.Thread) -> None:
-    """At exit after a signal: let the signal's hand-over end, never start a second one beside it.
+    """At exit after a signal: hand the runs over until ``SIGNAL_EXIT_GRACE_S`` after the signal,
+    never starting a second hand-over beside the signal's own.
 
     A second finish racing the first could end the run FINISHED, and waiting for MLflow (the
     normal exit's ``wait=True``) would keep a stopped process alive while MLflow is slow; the
-    proxy holds the data either way. A finish that raised in the hand-over is retried, as KILLED.
+    proxy holds the data either way. A hand-over that failed (a proxy slow for a few seconds)
+    is tried again, as KILLED, until the grace ends.
     """
     import ray
 
-    finisher.join(SIGNAL_EXIT_GRACE_S)
-    if finisher.is_alive():
-        logger.warning("exiting %.0f s after the signal with %d run(s) still being handed to the "
+    deadline = _signalled_at + SIGNAL_EXIT_GRACE_S
+    finisher.join(max(0.0, deadline - time.monotonic()))
+    while not finisher.is_alive() and active() and ray.is_initialized():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        finish_all("KILLED", wait=False, timeout_s=min(SIGNAL_FINISH_TIMEOUT_S, left))
+        if active():
+            time.sleep(min(SIGNAL_RETRY_PAUSE_S, max(0.0, deadline - time.monotonic())))
+    if active():
+        logger.warning("exiting %.0f s after the signal with %d run(s) not handed to the "
                        "tracking proxy; it ends them when this process is gone",
                        SIGNAL_EXIT_GRACE_S, len(active()))
-        return
-    if active() and ray.is_initialized():  # else calling the proxy would start a new local Ray
-        finish_all("KILLED", wait=False, timeout_s=SIGNAL_FINISH_TIMEOUT_S)
 
 
 def _install_signal_handlers() -> None:
@@ -192,7 +214,8 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     previous handler exits the interpreter (Ray's does), the exit hook waits for that thread
     instead of finishing the runs a second time.
     """
-    global _signal_finisher
+    global _signal_finisher, _signalled_at
+    _signalled_at = time.monotonic()
     logger.warning("signal %s: ending this process's runs as KILLED", signal.Signals(signum).name)
     worker = threading.Thread(target=finish_all, args=("KILLED", False, SIGNAL_FINISH_TIMEOUT_S),
                               name="raydeck-signal-finish", daemon=True)

@@ -452,6 +452,12 @@ class Tracker(StepPolicy, ArtifactLogging, ResumeHelpers):
                 f"others landed): {shown}")
         return report
 
+    def abandon(self) -> None:
+        """Stop delivering without ending the run: this process exits with data not handed
+        over (``lifecycle`` calls it last at exit). The proxy ends the run when it finds the
+        process gone; what it already holds lands."""
+        self._open_delivery.stop()
+
     def __enter__(self) -> Tracker:
         return self
 
