@@ -20,6 +20,7 @@ from raydeck.tracking.dead_letters import DEAD_LETTERS_TAG
 from raydeck.tracking.messages import Batch, FileRef, OpenRun, ShardConfig
 from raydeck.tracking.shard import ShardCore
 from tests.fixtures.mlflow_server import MlflowServer
+from tests.fixtures.tcp_forwarder import TcpForwarder
 
 
 def _config(tracking_uri: str, spool_dir: Path, writers: int, index: int = 0) -> ShardConfig:
@@ -147,6 +148,33 @@ def test_all_ranks_views_per_step(shard: ShardCore, mlflow_client: Any) -> None:
     assert series("loss/min") == [1.0, 0.0]
     assert series("loss/max") == [4.0, 10.0]
     assert series("loss/straggler_rank") == [1.0, 1.0]
+
+
+@pytest.mark.timeout(120)
+def test_steps_a_run_holds_never_go_back_when_older_points_are_logged_again(
+    tmp_path: Path, mlflow_server: MlflowServer
+) -> None:
+    """A job restarted from a checkpoint re-logs that checkpoint's points, then asks which steps
+    its run holds so that it drops the steps it trains again. While MLflow does not answer
+    the shard answers from what it received: the highest step, not the last one received."""
+    link = TcpForwarder(mlflow_server.port)  # MLflow, until this shard loses it
+    core = ShardCore(_config(link.url, tmp_path / "spool", writers=2))
+    key = f"resume-{uuid.uuid4().hex[:8]}"
+    try:
+        _open(core, key)
+        # The attempt that failed: steps up to 23 in a committed checkpoint, 27 after it.
+        core.ingest(_batch(key, 0, points=[("loss", 1.0, 1_000 + step, step)
+                                           for step in (3, 7, 11, 15, 19, 23, 27)]))
+        assert core.wait_landed([key], 60).landed  # written to MLflow: no longer pending
+        link.cut()
+        # The restarted attempt re-logs the restored checkpoint's points first.
+        core.ingest(Batch(client_id="restarted", seq=0, run_key=key, params_run_key=key,
+                          points=[("loss", 1.0, 1_000 + step, step) for step in (15, 19, 23)]))
+        assert core.last_steps(key, ["loss", "never_logged"], 30) == {"loss": 27,
+                                                                      "never_logged": -1}
+    finally:
+        core.stop()
+        link.cut()
 
 
 def test_dead_letters_survive_a_restart_and_show_in_stats(tmp_path: Path,

@@ -12,8 +12,12 @@ Each step lands exactly once, as epochs do for plain PyTorch (:mod:`raydeck.chec
 inside Ray Train the logger *holds* what Lightning logs for steps after the last committed
 checkpoint, and the callback logs it once Ray Train has committed the epoch's checkpoint (which
 also stores it). When a worker dies, the held values of the unfinished epoch die with it and are
-logged when that epoch is trained again; :func:`resume` logs the restored epoch's stored values
-again, which MLflow keeps once. Without the callback (no Ray Train), the logger writes at once.
+logged when that epoch is trained again; a rank that survives to see ``fit`` fail (its peer gone
+from a collective) logs what it held instead (``finalize("failed")``: the steps before a crash
+are what a person debugging it needs), and the epoch trained again drops those steps
+(``Tracker.skip_logged_steps``, which :func:`resume` calls after logging the restored epoch's
+stored values again, which MLflow keeps once). Without the callback (no Ray Train), the logger
+writes at once.
 
 Ranks: the logger does not use Lightning's ``rank_zero_only``; every rank calls the tracker, and
 the run's tracking mode decides who writes (``rank_zero``: rank 0; ``all_ranks``: every rank

@@ -117,6 +117,9 @@ class ShardCore:
         self._cursor = 0
         self._busy_writers = 0
         self._latest: dict[str, dict[str, tuple[float, int]]] = {}
+        # Per run and metric key, the highest step received: what a restarted job must not log
+        # again. Not ``_latest``: a resumed job re-logs its checkpoint's older steps first.
+        self._highest_steps: dict[str, dict[str, int]] = {}
         self._cross_rank = CrossRank()
         self._stopping = False
         self._recovered = 0
@@ -176,8 +179,16 @@ class ShardCore:
         if accepted is None:
             return IngestResult(True)
         latest = self._latest.setdefault(batch.run_key, {})
+        batch_highest: dict[str, int] = {}
         for key, value, _, step in batch.points:
             latest[key] = (value, step)
+            if step > batch_highest.get(key, -1):
+                batch_highest[key] = step
+        if batch_highest:
+            with self._cv:  # batches of one run may arrive on several threads at once
+                highest = self._highest_steps.setdefault(batch.run_key, {})
+                for key, step in batch_highest.items():
+                    highest[key] = max(step, highest.get(key, -1))
         self._enqueued(accepted)
         self.metrics.count_received(batch.size())
         return IngestResult(True)
@@ -261,8 +272,8 @@ class ShardCore:
 
         Waits up to ``timeout_s`` for the run's pending values to land so that MLflow's
         history is complete, but only while MLflow answers: during an outage it answers at
-        once from what is pending here and what this shard received (a restarted job must not
-        wait for MLflow).
+        once from what is pending here and the highest steps this shard received (a restarted
+        job must not wait for MLflow; it re-logs its checkpoint's older steps before it asks).
         """
         deadline = time.monotonic() + timeout_s
         with self._cv:
@@ -275,8 +286,8 @@ class ShardCore:
                     break
                 self._cv.wait(min(left, 0.5))
             backing_off = run is not None and run.attempts > 0
-        received = self._latest.get(run_key, {})
-        highest = {key: received.get(key, (0.0, -1))[1] for key in keys}
+            received = self._highest_steps.get(run_key, {})
+            highest = {key: received.get(key, -1) for key in keys}
         for key, step in self.spool.max_steps(run_key, keys).items():
             highest[key] = max(highest[key], step)
         resolution = None if backing_off else self.resolve(run_key, 0)
