@@ -130,7 +130,7 @@ def ray_cluster(raydeck_env: dict[str, str]) -> Iterator[None]:
     """A local Ray instance for the session, started like `raydeck.cluster.connect` does."""
     import ray
 
-    from raydeck.cluster import job_runtime_env
+    from raydeck.cluster import job_runtime_env, local_serve_ingress
     from raydeck.config import load_settings
 
     # Ray's dashboard writes the Prometheus service-discovery file and Ray's Grafana dashboards
@@ -138,9 +138,11 @@ def ray_cluster(raydeck_env: dict[str, str]) -> Iterator[None]:
     # address="local": a cluster of its own, even if `ray start` runs on this machine.
     for attempt in range(RAY_START_ATTEMPTS):
         try:
-            ray.init(address="local", num_cpus=RAY_NUM_CPUS,
-                     runtime_env=job_runtime_env(load_settings()),
-                     include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
+            # Serve's ingress as raydeck's own local Ray gets it (HAProxy here).
+            with local_serve_ingress("local"):
+                ray.init(address="local", num_cpus=RAY_NUM_CPUS,
+                         runtime_env=job_runtime_env(load_settings()),
+                         include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
             break
         except Exception as exc:
             # Ray gives its raylet 30 s to register, hard-coded; on a machine loaded by other
