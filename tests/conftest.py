@@ -37,6 +37,11 @@ TEST_ENV = {
     # Ray Train's spot-node preemption watcher is one more actor process per fit (about 2 CPU-s
     # to start); no test drains a node, and raydeck's own preemption does not use it.
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # Under HAProxy (Serve's ingress on the session's Ray) a replica being stopped keeps
+    # answering for 30 s so that HAProxy stops sending to it first; every `serve --stop`, deleted
+    # application and the module's `serve.shutdown()` waited it out. HAProxy drops a removed
+    # replica on the controller's next broadcast, well within 2 s here.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     "RAY_USAGE_STATS_ENABLED": "0",
     # On SIGTERM `ray start --block` drains its node for up to 30 s before it stops Ray's
     # processes; a test stopping its head signals the GCS at the same moment, so the drain
