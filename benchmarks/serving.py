@@ -224,11 +224,12 @@ def serve_floor(port: int, body: bytes, requests: int = 300) -> dict[str, float]
     return floors
 
 
-# Ray Serve's ingress options, as the environment of the Ray instance that runs Serve.
+# Ray Serve's ingress options, as the environment of the Ray instance that runs Serve (each
+# says RAY_SERVE_ENABLE_HA_PROXY: HAProxy is what raydeck gives the Rays it starts).
 INGRESS = {
-    "proxy": {},
+    "proxy": {"RAY_SERVE_ENABLE_HA_PROXY": "0"},
     "haproxy": {"RAY_SERVE_ENABLE_HA_PROXY": "1"},
-    "direct": {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"},
+    "direct": {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"},
 }
 # (label, --max-batch-size, --batch-wait-ms); the 5 ms row only under the default proxy.
 BATCHING = (("adaptive batching", 32, 0.0), ("no batching", 1, 0.0),

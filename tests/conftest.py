@@ -39,6 +39,11 @@ TEST_ENV = {
     # Ray Train's spot-node preemption watcher is one more actor process per fit (about 2 CPU-s
     # to start); no test drains a node, and raydeck's own preemption does not use it.
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # Under HAProxy (Serve's ingress on the session's Ray) a replica being stopped keeps
+    # answering for 30 s so that HAProxy stops sending to it first; every `serve --stop`, deleted
+    # application and the module's `serve.shutdown()` waited it out. HAProxy drops a removed
+    # replica on the controller's next broadcast, well within 2 s here.
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     "RAY_USAGE_STATS_ENABLED": "0",
     # On SIGTERM `ray start --block` drains its node for up to 30 s before it stops Ray's
     # processes; a test stopping its head signals the GCS at the same moment, so the drain
@@ -145,7 +150,7 @@ def ray_cluster(raydeck_env: dict[str, str]) -> Iterator[None]:
     """A local Ray instance for the session, started like `raydeck.cluster.connect` does."""
     import ray
 
-    from raydeck.cluster import job_runtime_env
+    from raydeck.cluster import job_runtime_env, local_serve_ingress
     from raydeck.config import load_settings
 
     # Ray's dashboard writes the Prometheus service-discovery file and Ray's Grafana dashboards
@@ -153,9 +158,11 @@ def ray_cluster(raydeck_env: dict[str, str]) -> Iterator[None]:
     # address="local": a cluster of its own, even if `ray start` runs on this machine.
     for attempt in range(RAY_START_ATTEMPTS):
         try:
-            ray.init(address="local", num_cpus=RAY_NUM_CPUS,
-                     runtime_env=job_runtime_env(load_settings()),
-                     include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
+            # Serve's ingress as raydeck's own local Ray gets it (HAProxy here).
+            with local_serve_ingress("local"):
+                ray.init(address="local", num_cpus=RAY_NUM_CPUS,
+                         runtime_env=job_runtime_env(load_settings()),
+                         include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
             break
         except Exception as exc:
             # Ray gives its raylet 30 s to register, hard-coded; on a machine loaded by other

@@ -252,6 +252,22 @@ def test_ray_nodes_and_clients_share_token_auth_and_addresses(
     assert jupyter["RAY_API_SERVER_ADDRESS"] == "http://ray-head:8265"
 
 
+def test_every_ray_node_serves_through_haproxy_unless_docker_env_says_not(
+    stack: dict[str, Any], deploy_env: dict[str, str], empty_env_file: Path
+) -> None:
+    """Serve reads RAY_SERVE_ENABLE_HA_PROXY when its controller and proxies start, on any
+    node: every Ray node has it (HAProxy, which the image's ray[serve] brings), Jupyter (a Ray
+    Client, no node) does not; RAY_SERVE_ENABLE_HA_PROXY=0 in docker/.env keeps Serve's proxy."""
+    for name in ("ray-head", "ray-worker"):
+        assert _service(stack, name)["environment"]["RAY_SERVE_ENABLE_HA_PROXY"] == "1", name
+    assert "RAY_SERVE_ENABLE_HA_PROXY" not in _service(stack, "jupyter")["environment"]
+    answer = _compose({**deploy_env, "RAY_SERVE_ENABLE_HA_PROXY": "0"}, empty_env_file)
+    assert answer.returncode == 0, answer.stderr
+    opted_out = yaml.safe_load(answer.stdout)
+    for name in ("ray-head", "ray-worker"):
+        assert _service(opted_out, name)["environment"]["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+
+
 def test_raydeck_settings_are_registry_names_and_load_in_every_raydeck_service(
     stack: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -213,6 +213,17 @@ def test_a_changed_setting_shows_in_compose_raydeck_up_and_the_manifests(tmp_pat
             assert env[name]["value"] == value, f"manifests: {name}"
 
 
+def test_every_ray_pod_serves_through_haproxy_unless_told_not() -> None:
+    """Compose's default (``${RAY_SERVE_ENABLE_HA_PROXY:-1}``); the images carry HAProxy."""
+    manifests = _render()
+    for template in _pod_templates(manifests)[:6]:  # the clusters' heads and workers
+        assert _env(template["spec"]["containers"][0])["RAY_SERVE_ENABLE_HA_PROXY"] == {
+            "name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}
+    head, workers = _head_and_worker_env(_render(options=kuberay.KubeRayOptions(
+        haproxy_ingress=False)))
+    assert {env["RAY_SERVE_ENABLE_HA_PROXY"]["value"] for env in (head, *workers)} == {"0"}
+
+
 def test_ports_image_and_paths_are_the_compose_files() -> None:
     manifests = _render()
     spec = manifests[f"{kuberay.CLUSTER_DIR}/raycluster.yaml"]["spec"]
@@ -335,3 +346,10 @@ def test_render_command_writes_the_manifests_and_no_secret(
     assert cluster["metadata"]["name"] == "team-a"
     assert cluster["spec"]["workerGroupSpecs"][1]["maxReplicas"] == 8
     _validate_custom(cluster)
+    # The user's RAY_SERVE_ENABLE_HA_PROXY wins over HAProxy, the default.
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
+    answer = CliRunner().invoke(app, ["k8s", "render", "--out", "proxy"])
+    assert answer.exit_code == 0, answer.output
+    head = yaml.safe_load((tmp_path / "proxy" / "cluster" / "raycluster.yaml").read_text())[
+        "spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert _env(head)["RAY_SERVE_ENABLE_HA_PROXY"]["value"] == "0"

@@ -196,6 +196,38 @@ def test_the_serving_pages_curl_example_is_answered_with_its_digit(served: Serve
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_haproxy_is_the_ingress_of_a_local_ray_raydeck_starts(served: Served) -> None:
+    """The session's Ray is started as raydeck's own ``ray.init()`` starts a local one
+    (``raydeck.cluster.local_serve_ingress``), so Serve's ingress is HAProxy: it listens on the
+    application's port and sends each request straight to a replica's own HTTP server, on the
+    application's host only. Every other test of the module runs through it."""
+    import psutil
+
+    port = int(served.url.rsplit(":", 1)[1])
+    listeners = [c for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+    ingress = {psutil.Process(c.pid).name() for c in listeners if c.laddr.port == port and c.pid}
+    assert ingress == {"haproxy"}, ingress
+    answered = set()
+    for _ in range(8):
+        with urllib.request.urlopen(f"{served.url}/health", timeout=10) as answer:
+            assert answer.status == 200
+            answered.add(json.loads(answer.read())["replica"])
+    assert len(answered) == 2  # HAProxy balances over both replicas
+
+    def is_replica(pid: int | None) -> bool:
+        try:
+            return bool(pid) and " ".join(psutil.Process(pid).cmdline()).startswith(
+                f"ray::ServeReplica:{served.name}:")
+        except psutil.NoSuchProcess:
+            return False
+
+    # Serve's direct-ingress ports (RAY_SERVE_DIRECT_INGRESS_MIN/MAX_HTTP_PORT).
+    direct = [c.laddr for c in listeners if 30000 <= c.laddr.port <= 31000 and is_replica(c.pid)]
+    assert len(direct) == 2 and {address.ip for address in direct} == {"127.0.0.1"}, direct
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_bad_inputs_get_a_400_naming_the_problem_and_the_server_keeps_serving(
         served: Served) -> None:
     row = [0.0] * 64
@@ -285,6 +317,7 @@ def test_a_replica_sigkilled_under_load_is_replaced_by_one_that_follows_the_alia
     deployed with."""
     import signal
 
+    import ray
     from ray import serve
     from ray.util.state import list_actors
 
@@ -292,11 +325,14 @@ def test_a_replica_sigkilled_under_load_is_replaced_by_one_that_follows_the_alia
 
     promote(mlflow_client.tracking_uri, served.name, "2", "champion")
     handle = serve.get_app_handle(served.name)
+    gcs_address = ray.get_runtime_context().gcs_address
 
     def replicas() -> dict[str, dict[str, Any]]:
-        """Alive replicas by id, with their pid (a Serve replica's actor name ends in it)."""
+        """Alive replicas by id, with their pid (a Serve replica's actor name ends in it).
+        The session's address: with none, Ray looks for GCS processes and refuses when another
+        Ray runs on the machine."""
         return {actor.name.rsplit("#", 1)[-1]: {"pid": actor.pid} for actor in list_actors(
-            filters=[("state", "=", "ALIVE")], limit=10_000)
+            address=gcs_address, filters=[("state", "=", "ALIVE")], limit=10_000)
             if actor.class_name.startswith(f"ServeReplica:{served.name}:")}
 
     def describes() -> dict[str, str]:

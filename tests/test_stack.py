@@ -28,9 +28,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
+from raydeck.serve_ingress import HAPROXY_ENV, HAPROXY_PORT_ENVS
 from raydeck.stack import postgres, processes
+from raydeck.stack.launchers import RayHeadLauncher
 from raydeck.stack.services import SERVICES
 from tests.fixtures.processes import wait_until
 from tests.fixtures.stack import StackUnderTest
@@ -103,6 +106,13 @@ def test_up_from_nothing_starts_every_service_and_shows_no_secret(
                  under_test.paths.ray_auth_token):
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert str(under_test.stack_file) in up.stdout
+
+    # Serve's ingress is HAProxy (raydeck.serve_ingress), on ports of this stack's own.
+    head = psutil.Process(under_test.state().services["ray-head"].pid).environ()
+    assert head[HAPROXY_ENV] == "1"
+    internal = under_test.state().internal_ports["ray-head"]
+    assert [int(head[name]) for name in HAPROXY_PORT_ENVS] == [
+        internal[name] for name in RayHeadLauncher.haproxy_port_names]
 
     # Where PostgreSQL keeps its data, said by `up` and `ps`: as root, out of the stack's
     # private directory, somewhere the postgres user can reach and nobody else can.

@@ -127,6 +127,29 @@ def test_raydeck_processes_get_settings_that_load_and_point_at_the_stack(
         assert env["RAY_AUTH_MODE"] == "token"
 
 
+def test_the_head_serves_through_haproxy_unless_the_shell_says_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compose's ``${RAY_SERVE_ENABLE_HA_PROXY:-1}``: HAProxy (this venv has its binary), the
+    shell's value kept though `up` drops the shell's other RAY_* variables, and HAProxy's ports
+    the stack's own, chosen once with its other ports."""
+    from raydeck.serve_ingress import HAPROXY_ENV, HAPROXY_PORT_ENVS
+
+    (head,) = [launcher for launcher in LAUNCHERS if launcher.spec.name == "ray-head"]
+    ctx = _context(tmp_path)
+    monkeypatch.delenv(HAPROXY_ENV, raising=False)
+    head.choose_internal_ports(ctx.state)
+    env = head.environment(ctx)
+    assert env[HAPROXY_ENV] == "1"
+    internal = ctx.state.internal_ports["ray-head"]
+    assert [int(env[name]) for name in HAPROXY_PORT_ENVS] == [
+        internal[name] for name in head.haproxy_port_names]
+    assert not any(name in arg for name in head.haproxy_port_names for arg in head.argv(ctx))
+    monkeypatch.setenv(HAPROXY_ENV, "0")
+    assert head.environment(ctx)[HAPROXY_ENV] == "0"
+    assert COMPOSE["ray-head"]["environment"][HAPROXY_ENV] == "${RAY_SERVE_ENABLE_HA_PROXY:-1}"
+
+
 def test_credentials_are_compose_secrets_and_postgres_defaults_match() -> None:
     required = set(re.findall(r"\$\{(\w+):\?", COMPOSE_TEXT))
     secrets = {name for name in required if re.search(r"PASSWORD|SECRET|TOKEN", name)}

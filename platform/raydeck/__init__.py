@@ -61,7 +61,8 @@ _LAZY = {
 _SUBMODULES = (
     "checkpointing", "cluster", "config", "errors", "examples", "integrations", "job_probe",
     "job_server_address", "jobs", "kuberay", "models", "observability", "package_data",
-    "preemption", "redaction", "runtime_env", "scaling", "scheduling", "secrets", "serving",
+    "preemption", "redaction", "runtime_env", "scaling", "scheduling", "secrets",
+    "serve_ingress", "serving",
     "stack", "stack_connection", "stack_credentials", "storage", "tracking", "tracking_uri",
     "training", "tune",
 )

@@ -2,22 +2,27 @@
 
 Owns: the one ``ray.init`` call raydeck makes (address, namespace, and the runtime env that carries
 raydeck's settings to every worker of the job), and read-only views of nodes and resources.
-Does not own: starting or stopping clusters (``ray start``/compose do that) or job submission.
+Does not own: starting or stopping clusters (``ray start``/compose do that) or job submission;
+the local Ray that ``ray.init`` starts when no cluster is named gets Serve's ingress as
+:mod:`raydeck.serve_ingress` chooses it (:func:`local_serve_ingress`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
 import os
 import re
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from raydeck.config import Settings, load_settings
 from raydeck.errors import ClusterUnavailableError
+from raydeck.serve_ingress import HAPROXY_ENV, HAPROXY_PORT_ENVS, local_node_env
 from raydeck.stack_connection import ray_auth_env
 
 logger = logging.getLogger(__name__)
@@ -92,6 +97,32 @@ def _beside_submitted_job(runtime_env: dict[str, Any]) -> dict[str, Any]:
     return {**runtime_env, "env_vars": env_vars}
 
 
+@contextlib.contextmanager
+def local_serve_ingress(address: str | None) -> Iterator[None]:
+    """Around a ``ray.init``: a local Ray it starts gets Serve's ingress as raydeck chooses it.
+
+    ``ray.init`` starts a local Ray, whose processes inherit this process's environment as it
+    is then, when ``address`` is ``local``, or empty with no ``RAY_ADDRESS`` and no ``ray
+    start`` cluster on this machine (Ray's rule). Serve reads ``RAY_SERVE_ENABLE_HA_PROXY``
+    when its controller starts, so :func:`raydeck.serve_ingress.local_node_env` is in the
+    environment for the call (a value the user set is kept) and this process's environment is
+    as before afterwards: nothing else this process starts inherits HAProxy's ports.
+    """
+    if (address and address != "local") or (not address and os.environ.get("RAY_ADDRESS")):
+        yield
+        return
+    saved = {name: os.environ.get(name) for name in (HAPROXY_ENV, *HAPROXY_PORT_ENVS)}
+    os.environ.update(local_node_env(os.environ))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def use_stack_auth(address: str | None) -> None:
     """Make Ray present the stack's token when ``address`` is the running stack's head.
 
@@ -145,13 +176,14 @@ def connect(
         )
     use_stack_auth(address)
     try:
-        ray.init(
-            address=address,
-            runtime_env=_beside_submitted_job(job_runtime_env(settings, runtime_env)),
-            log_to_driver=log_to_driver,
-            logging_level=logging.WARNING,
-            configure_logging=True,
-        )
+        with local_serve_ingress(address):
+            ray.init(
+                address=address,
+                runtime_env=_beside_submitted_job(job_runtime_env(settings, runtime_env)),
+                log_to_driver=log_to_driver,
+                logging_level=logging.WARNING,
+                configure_logging=True,
+            )
     except (ConnectionError, TimeoutError) as exc:
         raise ClusterUnavailableError(
             f"cannot reach the Ray cluster at {address!r} ({exc}); start it with `ray start "

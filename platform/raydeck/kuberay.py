@@ -41,6 +41,7 @@ from raydeck.jobs import (
     submitted_runtime_env,
 )
 from raydeck.observability.prometheus import CLUSTER_LABEL
+from raydeck.serve_ingress import node_env
 from raydeck.serving import ServeOptions, serve_config
 from raydeck.stack.services import SECRET_SETTINGS_ENV, service, settings_env
 
@@ -131,6 +132,9 @@ class KubeRayOptions:
         spool_size: the spool's PersistentVolumeClaim size (a Kubernetes quantity).
         storage_class: its storage class; empty: the cluster's default.
         tracking_uri, s3_endpoint: MLflow and S3 as the pods reach them.
+        haproxy_ingress: Serve's ingress on every Ray pod (:mod:`raydeck.serve_ingress`):
+            HAProxy, which raydeck's images carry (``ray[serve]`` on Linux), or, when False,
+            Serve's own proxy (``RAY_SERVE_ENABLE_HA_PROXY=0``).
     """
 
     name: str = "raydeck"
@@ -144,6 +148,7 @@ class KubeRayOptions:
     storage_class: str = ""
     tracking_uri: str = ""
     s3_endpoint: str = ""
+    haproxy_ingress: bool = True
 
     def __post_init__(self) -> None:
         for field in ("name", "secret"):
@@ -179,12 +184,14 @@ def _compose_url(name: str) -> str:
 # --- pieces every pod shares ------------------------------------------------------------------
 def _pod_environment(options: KubeRayOptions, settings: Settings) -> list[dict[str, Any]]:
     """The environment of every Ray container: raydeck's settings (the credentials by
-    reference), and Ray's token authentication with the token as a file."""
+    reference), Ray's token authentication with the token as a file, and Serve's ingress."""
     values = settings_env(settings, data_dir=CONTAINER_DATA_DIR,
                           tracking_uri=options.tracking_uri, s3_endpoint=options.s3_endpoint)
     env: list[dict[str, Any]] = [{"name": name, "value": value} for name, value in values.items()]
     env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": options.secret, "key": name}}}
             for name in SECRET_SETTINGS_ENV]
+    env += [{"name": name, "value": value}
+            for name, value in node_env(options.haproxy_ingress).items()]
     return env + _auth_environment()
 
 

@@ -6,6 +6,7 @@ is in them, so the command reads no credentials.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -61,10 +62,12 @@ def render(
 
     Non-secret settings (experiment, buckets, prefix, region, log level) are yours, as
     `raydeck config` shows them; secrets are referenced from the Secret, never written.
+    Serve's ingress is HAProxy; RAY_SERVE_ENABLE_HA_PROXY=0 here renders Serve's proxy.
     """
     from raydeck import kuberay
     from raydeck.config import load_settings
     from raydeck.scaling import get_preset
+    from raydeck.serve_ingress import uses_haproxy
     from raydeck.serving import ServeOptions
 
     settings = load_settings()
@@ -76,6 +79,8 @@ def render(
         gpu_workers=kuberay.WorkerBounds.parse(gpu_workers, "--gpu-workers"),
         gpus_per_worker=gpus_per_worker, secret=secret, spool_size=spool_size,
         storage_class=storage_class, tracking_uri=tracking_uri, s3_endpoint=s3_endpoint,
+        # raydeck's images carry HAProxy; the user's RAY_SERVE_ENABLE_HA_PROXY wins.
+        haproxy_ingress=uses_haproxy(os.environ, haproxy_found=True),
     )
     request = kuberay.job_request(job, get_preset(preset, settings.presets_file).name)
     serve = ServeOptions(model_uri=model, preset=serve_preset)

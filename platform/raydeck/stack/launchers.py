@@ -22,6 +22,7 @@ import requests
 
 from raydeck.config import Settings, StorageSettings
 from raydeck.errors import StackError, StorageError
+from raydeck.serve_ingress import HAPROXY_PORT_ENVS, local_node_env
 from raydeck.stack import postgres, services
 from raydeck.stack.processes import RunAs, free_port, port_free
 from raydeck.stack.services import LOOPBACK, MARKER_ENV, SERVICE_ENV, ServiceSpec, service
@@ -337,9 +338,13 @@ class RayHeadLauncher(Launcher):
     # Ray's raylet gives its Python agents a fixed 15 s to report their ports and aborts when
     # a busy machine makes them miss it; the next start finds their modules in the page cache.
     start_attempts = 3
+    # Serve's HAProxy (raydeck.serve_ingress): its stats and metrics ports and its fallback
+    # proxy's, this stack's own; in the order of HAPROXY_PORT_ENVS.
+    haproxy_port_names = ("haproxy-stats-port", "haproxy-metrics-port",
+                          "serve-fallback-proxy-port")
     internal_port_names = ("metrics-export-port", "dashboard-agent-listen-port",
                            "dashboard-agent-grpc-port", "runtime-env-agent-port",
-                           "node-manager-port", "object-manager-port")
+                           "node-manager-port", "object-manager-port", *haproxy_port_names)
 
     def check(self, ctx: StackContext) -> None:
         _require_binary(self.spec.name, "ray", str(ctx.bin_dir / "ray"),
@@ -357,7 +362,8 @@ class RayHeadLauncher(Launcher):
                 f"--node-ip-address={LOOPBACK}", f"--port={ctx.port('ray')}",
                 f"--dashboard-host={LOOPBACK}", f"--dashboard-port={ctx.port('ray-dashboard')}",
                 "--include-dashboard=true", f"--ray-client-server-port={ctx.port('ray-client')}",
-                *(f"--{name}={port}" for name, port in sorted(internal.items())),
+                *(f"--{name}={port}" for name, port in sorted(internal.items())
+                  if name not in self.haproxy_port_names),
                 f"--temp-dir={ctx.paths.ray_temp_dir}", "--disable-usage-stats"]
         if ctx.state.num_cpus is not None:
             argv.append(f"--num-cpus={ctx.state.num_cpus}")
@@ -365,8 +371,15 @@ class RayHeadLauncher(Launcher):
 
     def environment(self, ctx: StackContext) -> dict[str, str]:
         grafana = os.environ.get("GRAFANA_URL", DEFAULT_GRAFANA_URL)
+        internal = ctx.state.internal_ports.get(self.spec.name, {})
+        haproxy_ports = {env: internal[name] for name, env
+                         in zip(self.haproxy_port_names, HAPROXY_PORT_ENVS, strict=True)
+                         if name in internal}
         return {
             **ctx.settings_env(), **ctx.ray_auth_env(), **ctx.raydeck_process_env(),
+            # Serve's ingress: HAProxy unless the shell that ran `up` says
+            # RAY_SERVE_ENABLE_HA_PROXY=0 (or this machine has no HAProxy).
+            **local_node_env(os.environ, haproxy_ports),
             # What the Ray dashboard's metrics view uses.
             "RAY_PROMETHEUS_HOST": ctx.url("prometheus"),
             "RAY_PROMETHEUS_NAME": "Prometheus (raydeck)",

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import psutil
 
+from raydeck._internal import ports
 from raydeck.errors import StackError
 from raydeck.stack.services import LOOPBACK, MARKER_ENV, SERVICE_ENV
 
@@ -32,7 +33,6 @@ STOP_GRACE_S = 20.0
 KILL_WAIT_S = 10.0
 # psutil rounds start times; two readings of one process differ by less than this.
 CREATE_TIME_TOLERANCE_S = 0.05
-FREE_PORT_ATTEMPTS = 100
 
 
 @dataclass(frozen=True)
@@ -170,20 +170,17 @@ def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> None:
 # --- ports -------------------------------------------------------------------------------------
 def free_port(taken: Collection[int] = ()) -> int:
     """A TCP port on the loopback interface that nothing listens on right now and that is
-    not in ``taken``.
+    not in ``taken`` (:func:`raydeck._internal.ports.free_port`): ``ray start`` refuses two
+    components on one port, so a stack's ports are chosen against each other.
 
-    The kernel may hand out a port it handed out a moment ago (the socket asking for it is
-    closed again at once), so ports chosen for one service must be chosen against each other:
-    ``ray start`` refuses two components on one port.
+    Raises:
+        StackError: none found.
     """
-    for _ in range(FREE_PORT_ATTEMPTS):
-        with socket.socket() as sock:
-            sock.bind((LOOPBACK, 0))
-            port = int(sock.getsockname()[1])
-        if port not in taken:
-            return port
-    raise StackError(f"no free loopback port outside the {len(taken)} this stack uses; "
-                     "free some ports")
+    port = ports.free_port(taken)
+    if port is None:
+        raise StackError(f"no free loopback port outside the {len(taken)} this stack uses; "
+                         "free some ports")
+    return port
 
 
 def port_free(port: int) -> bool:

