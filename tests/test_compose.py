@@ -259,7 +259,11 @@ def test_every_ray_node_serves_through_haproxy_unless_docker_env_says_not(
     node: every Ray node has it (HAProxy, which the image's ray[serve] brings), Jupyter (a Ray
     Client, no node) does not; RAY_SERVE_ENABLE_HA_PROXY=0 in docker/.env keeps Serve's proxy."""
     for name in ("ray-head", "ray-worker"):
-        assert _service(stack, name)["environment"]["RAY_SERVE_ENABLE_HA_PROXY"] == "1", name
+        environment = _service(stack, name)["environment"]
+        assert environment["RAY_SERVE_ENABLE_HA_PROXY"] == "1", name
+        # A dead replica's requests go to another (raydeck.serve_ingress.HAPROXY_RETRY_ON).
+        assert environment["RAY_SERVE_HAPROXY_RETRY_ON"] == (
+            "conn-failure empty-response junk-response"), name
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in _service(stack, "jupyter")["environment"]
     answer = _compose({**deploy_env, "RAY_SERVE_ENABLE_HA_PROXY": "0"}, empty_env_file)
     assert answer.returncode == 0, answer.stderr

@@ -219,6 +219,8 @@ def test_every_ray_pod_serves_through_haproxy_unless_told_not() -> None:
     for template in _pod_templates(manifests)[:6]:  # the clusters' heads and workers
         assert _env(template["spec"]["containers"][0])["RAY_SERVE_ENABLE_HA_PROXY"] == {
             "name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}
+        assert _env(template["spec"]["containers"][0])["RAY_SERVE_HAPROXY_RETRY_ON"][
+            "value"] == "conn-failure empty-response junk-response"
     head, workers = _head_and_worker_env(_render(options=kuberay.KubeRayOptions(
         haproxy_ingress=False)))
     assert {env["RAY_SERVE_ENABLE_HA_PROXY"]["value"] for env in (head, *workers)} == {"0"}

@@ -21,6 +21,7 @@ from raydeck.serve_ingress import (
     HAPROXY_BINARY_ENV,
     HAPROXY_ENV,
     HAPROXY_PORT_ENVS,
+    HAPROXY_RETRY_ENV,
     haproxy_binary,
     local_node_env,
     node_env,
@@ -38,7 +39,11 @@ def test_the_users_value_wins_else_haproxy_where_it_is_found() -> None:
     assert uses_haproxy({HAPROXY_ENV: "1"}, haproxy_found=False)
     assert not uses_haproxy({HAPROXY_ENV: "true"}, haproxy_found=True)  # as Ray reads it
     assert uses_haproxy({HAPROXY_ENV: ""}, haproxy_found=True)  # empty is unset, as compose's :-
-    assert node_env(True) == {HAPROXY_ENV: "1"} and node_env(False) == {HAPROXY_ENV: "0"}
+    # With HAProxy, a dead replica's requests are resent to another (predictions are safe to
+    # send twice); never on a timeout or a status, which the model's own answers produce.
+    assert node_env(True) == {HAPROXY_ENV: "1",
+                              HAPROXY_RETRY_ENV: "conn-failure empty-response junk-response"}
+    assert node_env(False) == {HAPROXY_ENV: "0"}
 
 
 def test_haproxy_is_found_as_ray_finds_it(tmp_path: Path) -> None:
@@ -66,6 +71,9 @@ def test_a_local_ray_gets_haproxy_with_ports_of_its_own() -> None:
     assert local_node_env({}, {HAPROXY_PORT_ENVS[0]: 4242})[HAPROXY_PORT_ENVS[0]] == "4242"
     mine = {HAPROXY_ENV: "0", HAPROXY_PORT_ENVS[1]: "9999"}
     assert local_node_env(mine)[HAPROXY_ENV] == "0"
+    assert HAPROXY_RETRY_ENV not in local_node_env(mine)  # Serve's proxy: nothing to retry
+    assert local_node_env({HAPROXY_RETRY_ENV: "conn-failure"})[HAPROXY_RETRY_ENV] == "conn-failure"
+    assert first[HAPROXY_RETRY_ENV] == "conn-failure empty-response junk-response"
     assert local_node_env(mine)[HAPROXY_PORT_ENVS[1]] == "9999"
 
 

@@ -382,9 +382,9 @@ def test_a_replica_sigkilled_under_load_is_replaced_by_one_that_follows_the_alia
               for at, status, answer in answers if status != 200]
     print(f"\nreplica SIGKILL: {len(answers)} requests from 4 clients, {len(failed)} failed "
           f"({failed[:5]}); the replacement served {serving_s:.1f} s after the kill")
-    # Serve's proxy does not retry a request whose replica died under it: what the killed
-    # replica held (at most one request per client) fails with a 500, nothing after it.
-    assert len(failed) <= len(senders) and all(at < 10 for at, _, _ in failed), failed
+    # The session's Ray serves through HAProxy (tests/conftest.py starts it as raydeck does),
+    # which resends what the killed replica held to the other one: no request fails.
+    assert not failed, failed
 
 
 def _register_corrupt_version(mlflow_client: Any, served: Served) -> str:

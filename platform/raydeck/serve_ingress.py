@@ -39,6 +39,15 @@ HAPROXY_BINARY_ENV = "RAY_SERVE_HAPROXY_BINARY_PATH"
 # host). A second Ray with HAProxy on the same machine (a `raydeck up` stack beside a local
 # `raydeck serve`, the test suite's clusters) could not bind them and its ingress would not
 # start, so a Ray that raydeck starts on one machine gets free ports of its own instead.
+# What HAProxy resends to another replica. Ray's default, ``conn-failure``, covers a request
+# that never reached a replica; a replica that dies (SIGKILL, its node gone) with requests in
+# it closes their connections without an answer, which the client saw as a failed request.
+# Everything raydeck's model server answers is a prediction or a read, safe to send twice, so
+# a dead replica's requests are resent too (``empty-response``, ``junk-response``: the
+# connection closed before or during the answer). Not ``response-timeout`` (a slow model
+# would run twice) nor any status code (a model's error is the caller's answer).
+HAPROXY_RETRY_ENV = "RAY_SERVE_HAPROXY_RETRY_ON"
+HAPROXY_RETRY_ON = "conn-failure empty-response junk-response"
 HAPROXY_PORT_ENVS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
                      "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT")
 
@@ -79,8 +88,11 @@ def uses_haproxy(environ: Mapping[str, str], *, haproxy_found: bool) -> bool:
 
 
 def node_env(haproxy: bool) -> dict[str, str]:
-    """The variable of every Ray node of a cluster whose ingress is (or is not) HAProxy."""
-    return {HAPROXY_ENV: HAPROXY_ON if haproxy else HAPROXY_OFF}
+    """The variables of every Ray node of a cluster whose ingress is (or is not) HAProxy: the
+    switch, and with HAProxy its retry policy (:data:`HAPROXY_RETRY_ON`)."""
+    if not haproxy:
+        return {HAPROXY_ENV: HAPROXY_OFF}
+    return {HAPROXY_ENV: HAPROXY_ON, HAPROXY_RETRY_ENV: HAPROXY_RETRY_ON}
 
 
 def local_node_env(environ: Mapping[str, str], ports: Mapping[str, int] | None = None
@@ -88,12 +100,13 @@ def local_node_env(environ: Mapping[str, str], ports: Mapping[str, int] | None =
     """Serve's ingress variables for a Ray that raydeck starts on this machine.
 
     A non-empty value the user set (in ``environ``) wins for each. ``RAY_SERVE_ENABLE_HA_PROXY``
-    is as :func:`uses_haproxy` decides with this machine's HAProxy; the ports of
+    is as :func:`uses_haproxy` decides with this machine's HAProxy, with its retry policy
+    (:func:`node_env`); the ports of
     :data:`HAPROXY_PORT_ENVS` are ``ports`` (by variable name, as a stack records them), else
     free loopback ports chosen now.
     """
     haproxy = uses_haproxy(environ, haproxy_found=haproxy_binary(environ) is not None)
-    env = {HAPROXY_ENV: environ.get(HAPROXY_ENV) or node_env(haproxy)[HAPROXY_ENV]}
+    env = {name: environ.get(name) or value for name, value in node_env(haproxy).items()}
     chosen = dict(ports or {})
     for name in HAPROXY_PORT_ENVS:
         port = chosen.get(name) or free_port(set(chosen.values()))
