@@ -4,7 +4,10 @@ cluster has room for, and the MLflow run records the world size each epoch was t
 The unit tests check the preset rules (validation, feasibility at the minimum, the range in
 tables) without a cluster. The cluster test runs the reference digits job on the session's Ray
 cluster (4 CPUs) with a preset of one to four two-CPU workers: a fixed four-worker preset could
-never start, the elastic one runs with the two workers the cluster holds.
+never start, the elastic one runs with the two workers the cluster holds. A second cluster test
+joins a node to the session's cluster, removes it under a one-worker-per-node elastic job, and
+checks that Ray Train restarts the job smaller from its committed checkpoint with nothing lost
+or logged twice; the node is gone again afterwards.
 
 What Ray 2.60's elastic policy sizes by: the nodes' *total* resources, shared among the jobs that
 ask Ray's AutoscalingCoordinator (elastic Train jobs, Ray Data), not what other work holds now.
