@@ -177,6 +177,21 @@ def test_steps_a_run_holds_never_go_back_when_older_points_are_logged_again(
         link.cut()
 
 
+@pytest.mark.timeout(120)
+def test_the_steps_a_run_holds_are_answered_without_waiting_for_its_console_text(
+    shard: ShardCore
+) -> None:
+    """A restarted worker asks which steps its run holds before it trains; the answer waits for
+    the run's metric points, not for console text, which is uploaded every 30 s."""
+    key = f"steps-logs-{uuid.uuid4().hex[:8]}"
+    _open(shard, key)
+    shard.ingest(_batch(key, 0, points=[("loss", 1.0, 1_000 + step, step) for step in range(3)],
+                        logs=[("console/rank_0.log", "epoch 0 done\n")]))
+    assert shard.last_steps(key, ["loss"], 60) == {"loss": 2}
+    pending = [run["pending"] for run in shard.stats()["runs"] if run["key"] == key]
+    assert pending == ["13 bytes of console log"], shard.stats()["runs"]
+
+
 def test_dead_letters_survive_a_restart_and_show_in_stats(tmp_path: Path,
                                                          mlflow_server: MlflowServer) -> None:
     config = _config(mlflow_server.uri, tmp_path / "spool", writers=1, index=1)

@@ -270,16 +270,18 @@ class ShardCore:
     def last_steps(self, run_key: str, keys: list[str], timeout_s: float) -> dict[str, int]:
         """The highest step of each metric key a run holds, written or pending (-1: none).
 
-        Waits up to ``timeout_s`` for the run's pending values to land so that MLflow's
+        Waits up to ``timeout_s`` for the run's pending metric points to land so that MLflow's
         history is complete, but only while MLflow answers: during an outage it answers at
         once from what is pending here and the highest steps this shard received (a restarted
         job must not wait for MLflow; it re-logs its checkpoint's older steps before it asks).
+        Only points are waited for: console text is uploaded every ``LOG_UPLOAD_INTERVAL_S``
+        (30 s), and a restarted worker that waited for it sat in ``restore`` that long.
         """
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while True:
                 run = self._runs.get(run_key)
-                if run is None or run.empty or run.attempts > 0:
+                if run is None or run.counts["points"] == 0 or run.attempts > 0:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
