@@ -88,3 +88,21 @@ def test_status_exits_2_when_the_configured_cluster_is_unreachable(tmp_path: Pat
                       timeout=90)
     line = _one_error_line(result)
     assert f"Ray cluster at '{address}' is unreachable" in line
+
+
+
+@pytest.mark.timeout(120)
+def test_a_stale_record_of_a_stopped_ray_start_cluster_is_said_at_once(tmp_path: Path) -> None:
+    """``ray start`` records its cluster where ``ray.init()`` without an address looks; a cluster
+    killed without ``ray stop`` leaves the record, and Ray retries the dead address for minutes:
+    ``raydeck demo`` says so in one line, ``raydeck status`` finds no cluster, both in seconds."""
+    recorded = f"127.0.0.1:{free_port()}"
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(recorded)
+    env = {"RAY_TMPDIR": str(tmp_path), "COLUMNS": "200"}
+    line = _one_error_line(_raydeck("demo", cwd=tmp_path, env=env, timeout=90))
+    assert f"names {recorded!r}, where nothing answers" in line, line
+    assert "Run `ray stop` (it clears the record)" in line, line
+    status = _raydeck("status", cwd=tmp_path, env=env, timeout=90)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "no cluster running" in status.stdout, status.stdout

@@ -200,6 +200,12 @@ def joined_node(ray_cluster: None, tmp_path: Path) -> Iterator[ManagedProcess]:
     head alone again, and nothing the node started is left."""
     import ray
 
+    # `ray start` records the cluster it joined in /tmp/ray/ray_current_cluster, where Ray's rule
+    # for `ray.init()` without an address finds it: a later test's `raydeck demo` would join the
+    # session's cluster instead of starting its own, and after the session a dead address
+    # would make every plain `ray.init()` on the machine wait for it. Put back as it was.
+    address_file = Path("/tmp/ray/ray_current_cluster")
+    recorded = address_file.read_text() if address_file.exists() else None
     marker = new_marker()
     node = worker_node_process(
         ray.get_runtime_context().gcs_address, NODE_CPUS,
@@ -214,6 +220,10 @@ def joined_node(ray_cluster: None, tmp_path: Path) -> Iterator[ManagedProcess]:
     finally:
         node.stop()
         reap(marker)
+        if recorded is None:
+            address_file.unlink(missing_ok=True)
+        else:
+            address_file.write_text(recorded)
         wait_until(lambda: _alive_nodes() == 1, HEAD_STARTUP_TIMEOUT_S,
                    "the session's cluster to be its head alone again", interval_s=0.5)
         _refresh_elastic_view()  # the next elastic job sizes by the head alone

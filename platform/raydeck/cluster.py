@@ -174,6 +174,8 @@ def connect(
             f"cannot reach the Ray cluster at {address!r} ({reason}); start it with `ray start "
             "--head` or set RAYDECK_RAY_ADDRESS / RAY_ADDRESS to a reachable head"
         )
+    if address is None and not os.environ.get("RAY_ADDRESS"):
+        _refuse_a_stale_ray_record()
     use_stack_auth(address)
     try:
         with local_serve_ingress(address):
@@ -193,6 +195,35 @@ def connect(
     return settings
 
 
+def _refuse_a_stale_ray_record() -> None:
+    """Fail fast if Ray's record of a cluster on this machine names one that is gone.
+
+    With no address, ``ray.init`` joins the cluster that ``ray start`` recorded in
+    ``<Ray's temp dir>/ray_current_cluster``. A cluster stopped without ``ray stop`` (killed,
+    or its machine rebooted) leaves the record behind, and Ray then retries the dead address
+    for minutes before it fails; raydeck says what happened and the fix in seconds instead.
+
+    Raises:
+        ClusterUnavailableError: the recorded address does not answer.
+    """
+    from ray._common.utils import get_ray_address_file  # where `ray start` records it
+
+    record = get_ray_address_file(None)
+    try:
+        with open(record, encoding="utf-8") as fh:
+            recorded = fh.read().strip()
+    except OSError:
+        return
+    reason = unreachable_reason(recorded) if recorded else None
+    if reason:
+        raise ClusterUnavailableError(
+            f"Ray's record of a cluster started on this machine ({record}) names {recorded!r}, "
+            f"where nothing answers ({reason}): that cluster was stopped without `ray stop`. Run "
+            "`ray stop` (it clears the record) to use a new local Ray, or set "
+            "RAYDECK_RAY_ADDRESS / RAY_ADDRESS to a reachable head"
+        )
+
+
 def connect_existing(address: str) -> None:
     """Connect to an already running cluster to inspect it; never starts one.
 
@@ -201,6 +232,8 @@ def connect_existing(address: str) -> None:
     """
     import ray
 
+    if address == "auto" and not os.environ.get("RAY_ADDRESS"):
+        _refuse_a_stale_ray_record()
     reason = unreachable_reason(address)
     if reason is None:
         use_stack_auth(address)
