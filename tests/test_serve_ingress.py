@@ -79,14 +79,15 @@ def test_a_local_ray_gets_haproxy_with_ports_of_its_own() -> None:
 
 def test_connect_sets_them_only_for_the_local_ray_it_may_start(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in (HAPROXY_ENV, *HAPROXY_PORT_ENVS, "RAY_ADDRESS"):
+    for name in (HAPROXY_ENV, HAPROXY_RETRY_ENV, *HAPROXY_PORT_ENVS, "RAY_ADDRESS"):
         monkeypatch.delenv(name, raising=False)
     for address in ("", "local"):
         with local_serve_ingress(address):
             assert os.environ[HAPROXY_ENV] == "1"
+            assert os.environ[HAPROXY_RETRY_ENV] == "conn-failure empty-response junk-response"
             assert all(os.environ[name].isdigit() for name in HAPROXY_PORT_ENVS)
-        assert HAPROXY_ENV not in os.environ  # as before: children never inherit the ports
-        assert not set(HAPROXY_PORT_ENVS) & set(os.environ)
+        # As before: the processes this one starts later inherit neither ports nor policy.
+        assert not {HAPROXY_ENV, HAPROXY_RETRY_ENV, *HAPROXY_PORT_ENVS} & set(os.environ)
     with local_serve_ingress("10.0.0.1:6379"):  # a cluster of its own: its nodes' choice
         assert HAPROXY_ENV not in os.environ
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")

@@ -20,9 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from raydeck._internal.environ import environment
 from raydeck.config import Settings, load_settings
 from raydeck.errors import ClusterUnavailableError
-from raydeck.serve_ingress import HAPROXY_ENV, HAPROXY_PORT_ENVS, local_node_env
+from raydeck.serve_ingress import local_node_env
 from raydeck.stack_connection import ray_auth_env
 
 logger = logging.getLogger(__name__)
@@ -111,16 +112,8 @@ def local_serve_ingress(address: str | None) -> Iterator[None]:
     if (address and address != "local") or (not address and os.environ.get("RAY_ADDRESS")):
         yield
         return
-    saved = {name: os.environ.get(name) for name in (HAPROXY_ENV, *HAPROXY_PORT_ENVS)}
-    os.environ.update(local_node_env(os.environ))
-    try:
+    with environment(local_node_env(os.environ)):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def use_stack_auth(address: str | None) -> None:

@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 
 import pyarrow.fs
 
+from raydeck._internal.environ import environment
 from raydeck.config import Settings, StorageSettings
 from raydeck.errors import StorageError
 from raydeck.redaction import redact_url
@@ -89,17 +90,8 @@ def credentials_in_env(storage: StorageSettings) -> Iterator[None]:
     sweep registers its best model): MLflow's S3 artifact store reads its endpoint and
     credentials from the environment only. A no-op without storage or without the secret.
     """
-    values = secret_env(storage)
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
+    with environment(secret_env(storage)):
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _join(*parts: str) -> str:
