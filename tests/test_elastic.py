@@ -18,8 +18,6 @@ out Ray Train's worker-group start timeout (60 s) again and again, so the test s
 from __future__ import annotations
 
 import os
-import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,13 +38,7 @@ from tests.fixtures.ray_head import (
     reap,
     worker_node_process,
 )
-from tests.test_fault_tolerance import (
-    LATEST_EPOCH_TAG,
-    RESUMED_TAG,
-    _find_run,
-    _wait_for_committed_epoch,
-    _wait_for_resume,
-)
+from tests.test_fault_tolerance import LATEST_EPOCH_TAG, RESUMED_TAG, run_through_a_fault
 
 EPOCHS = 2
 # Two CPUs a worker on the session cluster's 4 (tests/conftest.py RAY_NUM_CPUS): two fit.
@@ -250,35 +242,18 @@ def test_a_node_removed_under_an_elastic_job_shrinks_it_and_loses_nothing(
     monkeypatch.setenv("RAYDECK_PRESETS_FILE", str(presets))
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", PLACEMENT_WAIT_S)
     key = f"elastic-shrink-{uuid.uuid4().hex[:8]}"
-    outcome: dict[str, Any] = {}
+    shrunk = run_through_a_fault(
+        mlflow_client, key, lambda: run_digits(preset="spread-1-2",
+                                               config={"epochs": SHRINK_EPOCHS},
+                                               run_name="elastic-shrink", run_id=key),
+        0, joined_node.stop, SHRINK_RUN_TIMEOUT_S)
+    committed, resumed_from = shrunk.committed_before_fault, shrunk.resumed_from
+    print(f"\nelastic shrink: node removed after committed epoch {committed}; training restarted "
+          f"with the remaining node from epoch {resumed_from} {shrunk.fault_to_resume_s:.1f} s "
+          f"after the removal; job {shrunk.wall_s:.0f} s")
 
-    def train() -> None:
-        try:
-            outcome["result"] = run_digits(preset="spread-1-2", config={"epochs": SHRINK_EPOCHS},
-                                           run_name="elastic-shrink", run_id=key)
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    started = time.monotonic()
-    thread = threading.Thread(target=train, name="elastic-shrink-driver")
-    thread.start()
-    try:
-        committed = _wait_for_committed_epoch(mlflow_client, key, 0, thread.is_alive)
-        removed_at = time.monotonic()
-        joined_node.stop()
-        resumed_from, removal_to_resume_s = _wait_for_resume(mlflow_client, key)
-    finally:
-        thread.join(SHRINK_RUN_TIMEOUT_S)
-    if "error" in outcome:
-        raise outcome["error"]
-    assert not thread.is_alive(), "the job did not finish"
-    print(f"\nelastic shrink: node removed {removed_at - started:.1f} s into the job, after "
-          f"committed epoch {committed}; training restarted with the remaining node from epoch "
-          f"{resumed_from} {removal_to_resume_s:.1f} s after the removal; job "
-          f"{time.monotonic() - started:.0f} s")
-
-    run = _find_run(mlflow_client, key)
-    assert run is not None and run.info.run_id == outcome["result"].run_id
+    run = shrunk.run
+    assert run is not None and run.info.run_id == shrunk.result.run_id
     assert run.info.status == "FINISHED"
     assert committed <= resumed_from <= committed + 1 < SHRINK_EPOCHS
     assert run.data.tags[LATEST_EPOCH_TAG] == str(SHRINK_EPOCHS - 1)

@@ -94,61 +94,76 @@ def _steps(client: Any, run_id: str, key: str) -> list[int]:
 
 
 @dataclass
-class KilledRun:
-    """A digits job whose worker was SIGKILLed after a committed checkpoint."""
+class FaultedRun:
+    """A digits job that went through a fault after a committed checkpoint and finished."""
 
     key: str
     result: Any
     run: Any
-    committed_before_kill: int
+    committed_before_fault: int
     resumed_from: int
-    kill_to_resume_s: float
+    fault_to_resume_s: float
     wall_s: float
 
 
-def _run_and_kill_a_worker(train_fn: Callable[[dict[str, Any]], None], client: Any,
-                           run_name: str) -> KilledRun:
-    from raydeck.examples.digits import run_digits
-
-    key = f"{run_name}-{uuid.uuid4().hex[:8]}"
+def run_through_a_fault(client: Any, key: str, job: Callable[[], Any], after_epoch: int,
+                        fault: Callable[[], None], timeout_s: float) -> FaultedRun:
+    """Run ``job`` (a digits run of run id ``key``) in a driver thread; once the checkpoint of
+    epoch ``after_epoch`` or later is committed, call ``fault``; wait for the training to
+    resume and the job to end (its error, if it raised, is raised here)."""
     outcome: dict[str, Any] = {}
 
     def train() -> None:
         try:
-            outcome["result"] = run_digits(preset="cpu-2", config={"epochs": EPOCHS},
-                                           run_name=run_name, run_id=key, train_fn=train_fn)
+            outcome["result"] = job()
         except BaseException as exc:
             outcome["error"] = exc
 
     started = time.monotonic()
-    thread = threading.Thread(target=train, name=f"{run_name}-driver")
+    thread = threading.Thread(target=train, name=f"{key}-driver")
     thread.start()
     try:
-        committed = _wait_for_committed_epoch(client, key, KILL_AFTER_EPOCH, thread.is_alive)
-        workers = _train_workers()
-        assert len(workers) == 2, workers
-        os.kill(workers[0].pid, signal.SIGKILL)
-        resumed_from, kill_to_resume_s = _wait_for_resume(client, key)
+        committed = _wait_for_committed_epoch(client, key, after_epoch, thread.is_alive)
+        fault()
+        resumed_from, fault_to_resume_s = _wait_for_resume(client, key)
     finally:
-        thread.join(RUN_TIMEOUT_S)
+        thread.join(timeout_s)
     if "error" in outcome:
         raise outcome["error"]
     assert not thread.is_alive(), "the job did not finish"
-    print(f"\n{run_name}: worker killed after committed epoch {committed}; training resumed "
-          f"from epoch {resumed_from} {kill_to_resume_s:.1f} s after the kill; job "
-          f"{time.monotonic() - started:.0f} s")
-    return KilledRun(key=key, result=outcome["result"], run=_find_run(client, key),
-                     committed_before_kill=committed, resumed_from=resumed_from,
-                     kill_to_resume_s=kill_to_resume_s, wall_s=time.monotonic() - started)
+    return FaultedRun(key=key, result=outcome["result"], run=_find_run(client, key),
+                      committed_before_fault=committed, resumed_from=resumed_from,
+                      fault_to_resume_s=fault_to_resume_s, wall_s=time.monotonic() - started)
 
 
-def _assert_resumed_once_in_the_same_run(killed: KilledRun) -> None:
+def _run_and_kill_a_worker(train_fn: Callable[[dict[str, Any]], None], client: Any,
+                           run_name: str) -> FaultedRun:
+    from raydeck.examples.digits import run_digits
+
+    key = f"{run_name}-{uuid.uuid4().hex[:8]}"
+
+    def kill_a_worker() -> None:
+        workers = _train_workers()
+        assert len(workers) == 2, workers
+        os.kill(workers[0].pid, signal.SIGKILL)
+
+    killed = run_through_a_fault(
+        client, key, lambda: run_digits(preset="cpu-2", config={"epochs": EPOCHS},
+                                        run_name=run_name, run_id=key, train_fn=train_fn),
+        KILL_AFTER_EPOCH, kill_a_worker, RUN_TIMEOUT_S)
+    print(f"\n{run_name}: worker killed after committed epoch {killed.committed_before_fault}; "
+          f"training resumed from epoch {killed.resumed_from} {killed.fault_to_resume_s:.1f} s "
+          f"after the kill; job {killed.wall_s:.0f} s")
+    return killed
+
+
+def _assert_resumed_once_in_the_same_run(killed: FaultedRun) -> None:
     run = killed.run
     assert run is not None and run.info.run_id == killed.result.run_id
     assert run.info.status == "FINISHED"
     # Resumed from the checkpoint that was the latest committed one when the worker died: the
     # one the run recorded before the kill, or the next if it was committing at that moment.
-    assert killed.committed_before_kill <= killed.resumed_from <= killed.committed_before_kill + 1
+    assert killed.committed_before_fault <= killed.resumed_from <= killed.committed_before_fault + 1
     assert killed.resumed_from < EPOCHS - 1, "the kill came too late to test a resume"
     tags = run.data.tags
     assert tags[LATEST_EPOCH_TAG] == str(EPOCHS - 1)
