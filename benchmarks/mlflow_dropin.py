@@ -34,6 +34,8 @@ sys.path.insert(0, str(REPO))
 from tests.fixtures.mlflow_server import MlflowServer  # noqa: E402
 from tests.fixtures.tracking import measured_tracking_env  # noqa: E402
 
+from raydeck._internal.environ import environment  # noqa: E402
+
 METRICS_PER_STEP = 10
 
 
@@ -51,9 +53,7 @@ def run_loop(name: str, tracking_uri: str, server_uri: str, steps: int,
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    saved = {key: os.environ.get(key) for key in env}
-    os.environ.update(env)
-    try:
+    with environment(env):
         mlflow.set_tracking_uri(tracking_uri)
         keys = [f"metric_{k}" for k in range(METRICS_PER_STEP)]
         run = mlflow.start_run(run_name=f"dropin-{name}-{uuid.uuid4().hex[:4]}")
@@ -64,12 +64,6 @@ def run_loop(name: str, tracking_uri: str, server_uri: str, steps: int,
         looped = time.perf_counter() - started
         mlflow.end_run()
         landed = time.perf_counter() - started
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     calls = steps * METRICS_PER_STEP
     history = MlflowClient(server_uri).get_metric_history(run.info.run_id, keys[-1])
     if sorted(m.step for m in history) != list(range(steps)):

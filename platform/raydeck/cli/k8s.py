@@ -13,6 +13,7 @@ import typer
 from rich.markup import escape
 
 from raydeck.cli._console import console, setup_logging
+from raydeck.serve_ingress import uses_haproxy
 
 app = typer.Typer(help="Kubernetes (KubeRay) manifests for raydeck.", no_args_is_help=True)
 
@@ -67,7 +68,6 @@ def render(
     from raydeck import kuberay
     from raydeck.config import load_settings
     from raydeck.scaling import get_preset
-    from raydeck.serve_ingress import uses_haproxy
     from raydeck.serving import ServeOptions
 
     settings = load_settings()
