@@ -169,27 +169,34 @@ class RankHost:
                 tracker.finish(wait=False)
 
     def log_plain(self, uri: str, run_ids: list[str], load: Load, start_at: float
-                  ) -> list[float]:
+                  ) -> list[tuple[float, str]]:
         """The same load with MLflow's client as users log today: each rank a thread calling
-        ``log_batch`` synchronously per step. Returns every call's seconds."""
+        ``log_batch`` synchronously per step. Returns every call's seconds and its error ("" if
+        it succeeded): an overloaded server refuses calls (SQLAlchemy's pool runs out at 64
+        ranks on SQLite), and in a user's loop that error is the training step's."""
         from mlflow.entities import Metric
+        from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(uri)
         names = [f"m{i}" for i in range(load.metrics)]
 
-        def rank_loop(index: int) -> list[float]:
+        def rank_loop(index: int) -> list[tuple[float, str]]:
             run_id, rank = run_ids[index], index % load.ranks_per_run
-            seconds = []
+            calls = []
             for step in range(load.steps):
                 due = start_at + step * load.step_interval_s
                 time.sleep(max(0.0, due - time.time()))
                 stamp = int(time.time() * 1000)
                 started = time.perf_counter()
-                client.log_batch(run_id, metrics=[Metric(f"{name}/rank_{rank}", float(step),
-                                                         stamp, step) for name in names])
-                seconds.append(time.perf_counter() - started)
-            return seconds
+                error = ""
+                try:
+                    client.log_batch(run_id, metrics=[Metric(f"{name}/rank_{rank}", float(step),
+                                                             stamp, step) for name in names])
+                except MlflowException as exc:
+                    error = str(exc).splitlines()[0][:200]
+                calls.append((time.perf_counter() - started, error))
+            return calls
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(run_ids)) as pool:
             return [s for part in pool.map(rank_loop, range(len(run_ids))) for s in part]
@@ -507,10 +514,12 @@ def _plain_baseline(uri: str, hosts: list[Any], load: Load, mlflow_db: Path, tag
     run_ids = [client.create_run(experiment, run_name=f"plain-job{j}").info.run_id
                for j in range(load.ranks // load.ranks_per_run)]
     start_at = time.time() + 1.0
-    seconds = [s for part in ray.get([
+    calls = [c for part in ray.get([
         host.log_plain.remote(uri, [run_ids[(h * load.ranks_per_host + i) // load.ranks_per_run]
                                     for i in range(load.ranks_per_host)], load, start_at)
-        for h, host in enumerate(hosts)], timeout=3600) for s in part]
+        for h, host in enumerate(hosts)], timeout=3600) for c in part]
+    seconds = [s for s, _ in calls]
+    errors = [e for _, e in calls if e]
     done = time.time()
     with contextlib.closing(sqlite3.connect(mlflow_db, timeout=30)) as conn:
         points = int(conn.execute(f"SELECT COUNT(*) FROM metrics WHERE run_uuid IN "
@@ -522,6 +531,9 @@ def _plain_baseline(uri: str, hosts: list[Any], load: Load, mlflow_db: Path, tag
         "call_p50_s": _pct(seconds, 0.5),
         "call_p99_s": _pct(seconds, 0.99),
         "log_call_us_per_rank_step": 1e6 * statistics.fmean(seconds),
+        "calls_failed": len(errors),
+        "calls": len(calls),
+        "first_error": errors[0] if errors else "",
     }
 
 
