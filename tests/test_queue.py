@@ -5,9 +5,9 @@ The module starts one head (`ray start --head`, token auth) that Ray believes ha
 CPUs; the jobs (tests/fixtures/queue_job.py) hold their preset's resources by running, and
 write when they started and ended to a shared file, which is what the tests read. The
 three-team test joins a second node (4 CPUs, 2 fake GPUs) for its duration and queues the real
-digits job (jobs/digits_torch.py); the preemption test preempts it and its Lightning twin
-(jobs/digits_lightning.py). Fake GPUs cannot run torch, so digits jobs use CPU presets, and the
-jobs holding the nodes take real Ray resources.
+digits job (jobs/digits_torch.py) beside two of these; the preemption test preempts it and its
+Lightning twin (jobs/digits_lightning.py). Fake GPUs cannot run torch, so digits jobs use CPU
+presets, and the jobs holding the nodes take real Ray resources.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ QUEUE_SCRAPE_INTERVAL_S = 5.0
 # How often a wait asks the job server or MLflow: each check sends requests that a server on
 # the same 2 cores must answer, for minutes; seeing a change up to 1 s late costs nothing.
 SERVER_POLL_S = 1.0
+# How long the three-team test's 1-CPU jobs hold their gang: they end on their own, while the
+# digits job started before them trains.
+LIGHT_JOB_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -271,9 +274,11 @@ def test_three_teams_digits_jobs_on_two_nodes_start_in_policy_order_whole_within
     epochs = 2
     # c-big (2 x 1.5 CPU, STRICT_PACK, priority 5) fits the 3 free CPUs but no node; a2 is
     # held by team a's quota; b2 fits the head now but waits behind c-big (no backfill).
-    for name, preset, team, priority in (("c-big", "t3", "c", 5), ("a2", "c1", "a", 0),
-                                         ("b2", "c1", "b", 0)):
-        cluster.digits(name, preset, team, priority, epochs)
+    # c-big is a real digits job; a2 and b2 (1 CPU each) take their gang in Ray as a training
+    # job's worker group would and end on their own: a 1-worker gang proves no more as a fit.
+    cluster.digits("c-big", "t3", "c", 5, epochs)
+    for name, team in (("a2", "a"), ("b2", "b")):
+        _ok(cluster.submit(name, "c1", LIGHT_JOB_S, team, hold=True))
     listing = _ok(cluster.cli("queue"))
     positions = {job: _row(listing, f"raydeck-{job}").split()[1] for job in ("c-big", "a2", "b2")}
     assert positions == {"c-big": "1", "a2": "2", "b2": "3"}, listing
@@ -286,7 +291,7 @@ def test_three_teams_digits_jobs_on_two_nodes_start_in_policy_order_whole_within
     assert "cancelled raydeck-a-hold" in _ok(cluster.cli("cancel", "raydeck-a-hold"))
     jobs = ("c-big", "a2", "b2")
     _explained(cluster, lambda: all(_ended(cluster, f"raydeck-{job}") for job in jobs), 600,
-               "the three teams' digits jobs to end", *(f"raydeck-{job}" for job in jobs))
+               "the three teams' jobs to end", *(f"raydeck-{job}" for job in jobs))
     _ok(cluster.cli("cancel", "raydeck-b-hold"))
     wait_until(lambda: _ended(cluster, "raydeck-b-hold"), 120, "b-hold to end",
                interval_s=SERVER_POLL_S)
@@ -308,11 +313,10 @@ def test_three_teams_digits_jobs_on_two_nodes_start_in_policy_order_whole_within
         if job == "c-big":
             new_node = next(n for n, cpus in placement["nodes"].items() if cpus == 4)
             assert [g["nodes"] for g in groups] == [[new_node]], (groups, placement["nodes"])
-    for job in jobs:
-        run = _run_of(mlflow_client, job)
-        assert run.info.status == "FINISHED", (job, run.info)
-        history = mlflow_client.get_metric_history(run.info.run_id, "val_accuracy")
-        assert sorted(point.step for point in history) == list(range(epochs)), (job, history)
+    run = _run_of(mlflow_client, "c-big")
+    assert run.info.status == "FINISHED", run.info
+    history = mlflow_client.get_metric_history(run.info.run_id, "val_accuracy")
+    assert sorted(point.step for point in history) == list(range(epochs)), history
     _unlisted(cluster, *(f"raydeck-{job}" for job in (*jobs, "a-hold", "b-hold")))
     print("\nqueue on two nodes: after a-hold was cancelled, c-big, a2 and b2 started in "
           + " / ".join(f"{start[job] - cancelled_at:.1f}" for job in jobs) + " s")
@@ -462,9 +466,20 @@ def test_low_priority_jobs_are_preempted_at_a_checkpoint_and_resume_in_their_run
     took = (high_run.info.end_time - high_run.info.start_time) / 1000
     assert high_run.data.tags["raydeck.job_digest"] != _run_of(
         mlflow_client, "pre-low").data.tags["raydeck.job_digest"]
+    # Queued behind a job the queue counts as holding the whole cluster (never a victim: it
+    # has no checkpoint), so it is cancelled before it could start a driver.
+    release = cluster.release_file("pre-again")
+    _ok(cluster.submit("pre-hold", "d8", 0, "c", until=release))
+    _explained(cluster, lambda: "pre-hold" in cluster.events(), 120, "pre-hold to start",
+               "raydeck-pre-hold")
     again = cluster.digits("pre-again", "d8", "c", 5, 3)
     _ok(cluster.cli("cancel", "raydeck-pre-again"))
     assert f"expected {format_duration(took)};" in again, (took, again)
+    release.touch()
+    wait_until(lambda: _ended(cluster, "raydeck-pre-hold"), 120, "pre-hold to end",
+               interval_s=SERVER_POLL_S)
+    assert _job_info(cluster, "raydeck-pre-again") is None  # the job server never had it
+    _unlisted(cluster, "raydeck-pre-hold", "raydeck-pre-again")
     last_stop = max(_job_info(cluster, f"raydeck-{job}").end_time for job in epochs)
     print("\npreemption: " + "; ".join(timings) + f"; high started "
           f"{(high.start_time - last_stop) / 1000:.1f} s after the last one stopped")
