@@ -47,6 +47,16 @@ def test_every_builtin_preset_resolves_to_rays_scaling_config(name: str) -> None
 
 
 @pytest.mark.timeout(60)
+def test_gpu_pack_is_gpu_strict_pack_with_ray_s_best_effort_pack() -> None:
+    # The fake-GPU fits (test_scaling_gpu_packing.py) place gpu-strict-pack only: on an idle
+    # cluster gpu-pack lands the same way, so what tells the two apart is this mapping.
+    pack, strict = (get_preset(name).scaling_config() for name in ("gpu-pack", "gpu-strict-pack"))
+    assert (pack.placement_strategy, strict.placement_strategy) == ("PACK", "STRICT_PACK")
+    assert (pack.num_workers, pack.resources_per_worker) == (
+        strict.num_workers, strict.resources_per_worker) == (4, {"CPU": 1, "GPU": 0.5})
+
+
+@pytest.mark.timeout(60)
 def test_fractional_presets_divide_a_gpu_exactly() -> None:
     shares = {name: get_preset(name).gpus_per_worker for name in ("gpu-half", "gpu-quarter")}
     assert shares == {"gpu-half": 0.5, "gpu-quarter": 0.25}

@@ -1,5 +1,6 @@
 """The tracker as MLflow users expect it: MLflow's method names, one step policy, predictable
-``get_tracker`` rules, and raydeck's own paths that never fail a job for a value."""
+``get_tracker`` rules, and raydeck's own paths that never fail a job for a value (a Ray Train
+job reporting a NaN and an illegal key: tests/test_tracking_modes.py, on its rank_zero fit)."""
 
 from __future__ import annotations
 
@@ -147,47 +148,3 @@ def test_lenient_paths_repair_count_and_never_raise(ray_cluster: None,
     assert len(run.data.params["notes"]) == 6000 and run.data.params["ok"] == "1"
     assert run.data.tags["raydeck.sanitized_values"] == "2"  # recall@5, notes
     assert run.data.tags["raydeck.dropped_values"] == "1"    # text
-
-
-def _nan_and_bad_key(config: dict[str, Any]) -> None:
-    import torch
-
-    import raydeck
-    from raydeck.checkpointing import report_epoch, restore
-
-    tracker = raydeck.get_tracker()
-    model = torch.nn.Linear(2, 1)
-    state = restore(tracker, model=model)
-    for epoch in range(state.epoch + 1 if state else 0, 3):
-        metrics = {"val_loss": 1.0 / (epoch + 1)}
-        if epoch == 1:
-            metrics["val_loss"] = float("nan")
-        if epoch == 2:
-            metrics["recall@5"] = 0.75
-        report_epoch(tracker, metrics, epoch=epoch, model=model)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_train_job_with_nan_and_an_illegal_key_completes(ray_cluster: None,
-                                                           mlflow_client: Any) -> None:
-    from ray.train import ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    import raydeck
-    from raydeck.training import checkpoint_storage_path
-
-    tracker = raydeck.get_tracker(run_name=f"nan-job-{uuid.uuid4().hex[:6]}")
-    TorchTrainer(_nan_and_bad_key, scaling_config=ScalingConfig(num_workers=2),
-                 run_config=tracker.run_config(
-                     storage_path=checkpoint_storage_path(raydeck.load_settings()))).fit()
-    tracker.finish()
-    run = mlflow_client.get_run(tracker.run_id)
-    history = sorted(mlflow_client.get_metric_history(tracker.run_id, "val_loss"),
-                     key=lambda m: m.step)
-    assert [m.step for m in history] == [0, 1, 2]
-    assert math.isnan(history[1].value)  # as MLflow stores it
-    assert [m.value for m in mlflow_client.get_metric_history(tracker.run_id, "recall5")] == [
-        0.75]
-    assert run.data.tags["raydeck.sanitized_values"] == "1"
-    assert run.info.status == "FINISHED"

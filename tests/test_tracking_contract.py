@@ -4,7 +4,8 @@ Each test kills, freezes or starves a real process (MLflow server, S3 server, pr
 Ray workers, a driver), then counts through MLflow's API what landed: every key's exact steps,
 no duplicates, the run's final status, and that a second run on the same shard got all of its
 data meanwhile. Every proxy here is isolated (its own Ray namespace, spool and MLflow server,
-one shard so that every run of the test shares it).
+one shard so that every run of the test shares it). A Ray Train worker returning without
+``finish()`` is proven on tests/test_tracking_modes.py's all_ranks fit (one Ray Train fit fewer).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tests.fixtures.processes import wait_until
 from tests.fixtures.tracking import (
     driver_process,
     isolated_settings,
+    participants,
     read_line_with,
     start_isolated_server,
 )
@@ -284,25 +286,13 @@ def test_a_sigkilled_worker_keeps_what_it_flushed_and_cannot_end_the_run(
     pid = ray.get(worker.log.remote(key), timeout=120)
     os.kill(pid, signal.SIGKILL)
     # Ray reports the actor dead; the router drops it from the run, which stays open.
-    wait_until(lambda: _participants(key) == 1, 60, "dead worker dropped from the run")
+    wait_until(lambda: participants(key) == 1, 60, "dead worker dropped from the run")
     assert mlflow_client.get_run(driver.run_id).info.status == "RUNNING"
     driver.finish()
     assert mlflow_client.get_run(driver.run_id).info.status == "FINISHED"
     steps = sorted(m.step for m in mlflow_client.get_metric_history(driver.run_id, "worker_x"))
     assert steps[:300] == list(range(300))
     assert len(steps) == len(set(steps))
-
-
-def _participants(key: str) -> int:
-    import ray
-
-    from raydeck.config import load_settings
-    from raydeck.tracking.proxy import find_router
-
-    router = find_router(load_settings().ray_namespace)
-    assert router is not None
-    runs = {r["key"]: r for r in ray.get(router.status.remote(), timeout=60)["runs"]}
-    return int(runs[key]["participants"])
 
 
 SIGTERMED_EXIT_TIMEOUT_S = 60
@@ -392,35 +382,6 @@ def test_a_sigtermed_driver_whose_proxy_is_slow_hands_its_data_over_and_ends_kil
         thaw.cancel()
         _signal_all(pids, signal.SIGCONT)
     _assert_ended_killed_with_everything(mlflow_client, run_id)
-
-
-def _returns_without_finish(config: dict[str, Any]) -> None:
-    import raydeck
-
-    tracker = raydeck.get_tracker()
-    for step in range(200):
-        tracker.log_metric("x", float(step), step=step)
-    # No finish(), no flush(): Ray Train kills this worker after it returns.
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_train_worker_returning_without_finish_loses_nothing(ray_cluster: None,
-                                                               mlflow_client: Any) -> None:
-    from ray.train import ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    import raydeck
-
-    tracker = raydeck.get_tracker(run_name="no-finish", mode="all_ranks")
-    TorchTrainer(_returns_without_finish, scaling_config=ScalingConfig(num_workers=2),
-                 run_config=tracker.run_config()).fit()
-    # Both ranks handed their data over and left before fit() returned.
-    assert _participants(tracker.run_key) == 1
-    assert tracker.finish().landed
-    for rank in (0, 1):
-        _assert_exact(mlflow_client, tracker.run_id, f"x/rank_{rank}", range(200))
-    assert mlflow_client.get_run(tracker.run_id).info.status == "FINISHED"
 
 
 def _restarting_train_fn(config: dict[str, Any]) -> None:
