@@ -11,8 +11,10 @@ import pytest
 
 
 def _demo(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    # Nothing of the suite's: raydeck honours MLflow's own variables, and an earlier test's
+    # mlflow.set_tracking_uri() leaves MLFLOW_TRACKING_URI in this process's environment.
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RAYDECK_", "RAY_ADDRESS"))}
+           if not k.startswith(("RAYDECK_", "RAY_ADDRESS", "MLFLOW_"))}
     # A Ray instance of its own, as on a fresh machine (the suite's cluster runs beside it).
     env.update({"RAYDECK_RAY_ADDRESS": "local", "COLUMNS": "200"})
     return subprocess.run([sys.executable, "-m", "raydeck.cli", "demo", *args], cwd=cwd,
