@@ -10,6 +10,7 @@ also across worker failures. ``raydeck demo``, ``jobs/digits_torch.py`` and the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib.metadata
 import logging
@@ -75,14 +76,18 @@ def raw_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
         stratify=data.target,
     )
     split = x_train, y_train.astype(np.int64), x_val, y_val.astype(np.int64)
+    # Written aside and renamed, as the stack's files are: workers starting together never read
+    # half a file.
+    temporary = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        # Written aside and renamed: workers starting together never read half a file.
-        with tempfile.NamedTemporaryFile(dir=cache.parent, suffix=".npz", delete=False) as tmp:
-            np.savez(tmp, **dict(zip(("x_train", "y_train", "x_val", "y_val"), split,
-                                     strict=True)))
-        os.replace(tmp.name, cache)
+        with temporary.open("wb") as handle:
+            np.savez(handle, **dict(zip(("x_train", "y_train", "x_val", "y_val"), split,
+                                        strict=True)))
+        os.replace(temporary, cache)
     except OSError as exc:  # a read-only home: every call computes the split, as before
+        with contextlib.suppress(OSError):
+            temporary.unlink()
         logger.debug("digits split not cached at %s: %s", cache, exc)
     return split
 
