@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import compileall
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,6 +113,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         rank = {name: index for index, name in enumerate(HEAVIEST_MODULES)}
         items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.fixture(autouse=True)
+def _sigint_handler_restored() -> Iterator[None]:
+    """Put pytest's SIGINT handler back after each test. A ``TorchTrainer.fit()`` in the test
+    process installs Ray Train's handler, whose closure holds the run's controller: that actor
+    (and the dataset manager it made) lived on, idle, until the next in-process fit."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    if signal.getsignal(signal.SIGINT) is not handler:
+        signal.signal(signal.SIGINT, handler)
 
 
 @pytest.fixture(scope="session")

@@ -259,10 +259,24 @@ def _placement_groups(cluster: Cluster) -> dict[str, Any]:
     return found
 
 
+def _placed_as_the_queue_sees_it(cluster: Cluster, submission_id: str) -> bool:
+    """``RayJobs.placed`` in a process connected to the queue's cluster as its actor is: no
+    RAY_ADDRESS or RAY_API_SERVER_ADDRESS in its environment."""
+    script = (
+        "import os, ray\n"
+        f"ray.init(address={cluster.head.gcs_address!r}, logging_level='ERROR')\n"
+        "for name in ('RAY_ADDRESS', 'RAY_API_SERVER_ADDRESS'):\n"
+        "    os.environ.pop(name, None)\n"
+        "from raydeck.jobs import JobServer\n"
+        "from raydeck.scheduling.ray_jobs import RayJobs\n"
+        f"print(RayJobs(JobServer.from_env({cluster.head.address!r})).placed({submission_id!r}))\n")
+    return cluster.python(script).splitlines()[-1] == "True"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_three_teams_digits_jobs_on_two_nodes_start_in_policy_order_whole_within_quotas(
-        cluster: Cluster, second_node: None, mlflow_client: Any) -> None:
+        cluster: Cluster, second_node: None, mlflow_client: Any, ray_cluster: None) -> None:
     _ok(cluster.cli("queue", "--policy", "priority", "--teams", str(_teams(cluster))))
     # Two jobs hold real resources until cancelled, each on the only node it fits: b-hold
     # (6 CPU) on the head (8 CPU), then a-hold (3 CPU, 1 GPU) on the new node (4 CPU, 2 GPU).
@@ -271,6 +285,10 @@ def test_three_teams_digits_jobs_on_two_nodes_start_in_policy_order_whole_within
         _ok(cluster.submit(name, preset, 900, team, hold=True))
         _explained(cluster, lambda job=name: job in cluster.events(), 120, f"{name} to hold",
                    f"raydeck-{name}")
+    # The queue sees a started gang placed as soon as Ray placed it, though this machine runs
+    # a second Ray (the session's, ray_cluster): it once asked Ray's state API for "the" local
+    # cluster, failed, and held every next start back CLAIM_S (120 s).
+    assert _placed_as_the_queue_sees_it(cluster, "raydeck-a-hold")
     epochs = 2
     # c-big (2 x 1.5 CPU, STRICT_PACK, priority 5) fits the 3 free CPUs but no node; a2 is
     # held by team a's quota; b2 fits the head now but waits behind c-big (no backfill).

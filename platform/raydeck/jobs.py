@@ -185,6 +185,10 @@ class JobServer:
                     and default.is_file() else "")
         return cls(resolved, token, withheld)
 
+    def headers(self) -> dict[str, str]:
+        """The HTTP headers every request to this server (jobs, state API) carries."""
+        return {"Authorization": f"Bearer {self.token.reveal()}"} if self.token else {}
+
     def client(self) -> JobSubmissionClient:
         """A connected ``JobSubmissionClient`` that has shown the token is accepted.
 
@@ -203,9 +207,8 @@ class JobServer:
                 "cluster (`ray start --head` serves it on port 8265) or pass --address / set "
                 f"{API_SERVER_ADDRESS_ENV} to its http:// URL"
             )
-        headers = {"Authorization": f"Bearer {self.token.reveal()}"} if self.token else {}
         try:
-            client = JobSubmissionClient(self.address, headers=headers)
+            client = JobSubmissionClient(self.address, headers=self.headers())
             client.list_jobs()
         except AuthenticationError:
             raise ClusterUnavailableError(

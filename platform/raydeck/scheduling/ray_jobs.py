@@ -40,13 +40,14 @@ class RayJobs(Launcher):
     def __init__(self, server: JobServer) -> None:
         self._server = server
         self._client: Any = None
+        self._state_client: Any = None
 
     def use(self, server: JobServer) -> None:
         """Send the next calls to ``server``: a caller's address and token, which may have
         changed since the actor started (a new token, a moved dashboard)."""
         if server != self._server:
             logger.info("the queue now reaches the job server at %s", redact_url(server.address))
-            self._server, self._client = server, None
+            self._server, self._client, self._state_client = server, None, None
 
     def _jobs(self) -> Any:
         client: Any = self._client
@@ -58,6 +59,15 @@ class RayJobs(Launcher):
                                                    timeout=REQUEST_TIMEOUT_S)
             self._client = client
         return client
+
+    def _state(self) -> Any:
+        """Ray's state API client for the same server, made once per server (as the jobs')."""
+        from ray.util.state.api import StateApiClient
+
+        if self._state_client is None:
+            self._state_client = StateApiClient(address=self._server.address,
+                                                headers=self._server.headers() or None)
+        return self._state_client
 
     def submit(self, row: JobRow, package: bytes | None) -> None:
         from ray._private.runtime_env import packaging
@@ -94,14 +104,20 @@ class RayJobs(Launcher):
         self._jobs().stop_job(submission_id)
 
     def placed(self, submission_id: str) -> bool:
-        from ray.util.state import list_placement_groups
+        from ray.util.state.common import ListApiOptions, StateResource
 
         try:
             job_id = self._jobs().get_job_info(submission_id).job_id
             if job_id is None:
                 return False  # its driver has not started
-            groups = list_placement_groups(filters=[("creator_job_id", "=", job_id)],
-                                           raise_on_missing_output=False)
+            # Asked of this job server's own state API: without an address, Ray's state API
+            # looks for "the" local cluster and fails where a machine runs two (it then
+            # failed on every call, and every gang held the next job back CLAIM_S).
+            groups = self._state().list(
+                StateResource.PLACEMENT_GROUPS,
+                options=ListApiOptions(filters=[("creator_job_id", "=", job_id)],
+                                       timeout=int(REQUEST_TIMEOUT_S)),
+                raise_on_missing_output=False)
         except Exception as exc:  # the state API is down: the gang waits at most CLAIM_S
             logger.warning("cannot read job %s's placement groups: %s", submission_id, exc)
             return False
