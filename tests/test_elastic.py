@@ -111,11 +111,14 @@ def test_an_elastic_preset_is_feasible_when_its_minimum_is() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_tables_show_the_range_and_the_queue_keeps_room_for_the_maximum() -> None:
+def test_tables_show_the_range_and_the_queue_admits_an_elastic_gang_at_its_minimum() -> None:
     assert "| `cpu-1-2` | 1-2 | 1 |" in presets_markdown()
     assert "| `cpu-2` | 2 | 1 |" in presets_markdown()
-    # The queue admits and counts an elastic job at its maximum (it does not shrink jobs yet).
-    assert Gang.of(get_preset("cpu-1-4")).workers == 4
+    # The queue admits an elastic job when its minimum fits (tests/test_queue_elastic.py).
+    gang = Gang.of(get_preset("cpu-1-4"))
+    assert (gang.workers, gang.max_workers, gang.elastic) == (1, 4, True)
+    assert (Gang.of(get_preset("cpu-2")).max_workers, Gang.of(get_preset("cpu-2")).elastic) == (
+        0, False)
 
 
 @pytest.mark.timeout(60)

@@ -7,11 +7,13 @@ implements :class:`PreemptionQueue` as a named actor, and the tracker
 (:func:`raydeck.training.end_if_preempted`) consume the answer; none of them imports the queue.
 
 Owns: ``RAYDECK_QUEUE_JOB`` (the queue's id of the job, set in the job's runtime env when the
-queue starts it), the queue actor's name, :func:`checkpoint_committed` (every rank calls it
-after a committed checkpoint; rank 0 tells the queue and every rank gets rank 0's answer, so all
-ranks stop at the same epoch), :func:`stop_requested` (that answer, for the training loop) and
-:func:`stopped_for_queue` (the driver, once training returned: whether its workers stopped for
-the queue and which preemption it was; or tell the queue that training ran to its end).
+queue starts it), ``RAYDECK_QUEUE_WORKERS`` (for an elastic job, the most workers the queue
+allows it in this attempt: :func:`queue_workers`), the queue actor's name,
+:func:`checkpoint_committed` (every rank calls it after a committed checkpoint; rank 0 tells the
+queue and every rank gets rank 0's answer, so all ranks stop at the same epoch),
+:func:`stop_requested` (that answer, for the training loop) and :func:`stopped_for_queue` (the
+driver, once training returned: whether its workers stopped for the queue and which preemption
+it was; or tell the queue that training ran to its end).
 
 Contract: a job the queue did not start makes no call and is never asked to stop. A queue that
 cannot be reached answers "go on" (logged): a queue outage never stops training. The handshake
@@ -29,10 +31,13 @@ import os
 from typing import Any, Protocol
 
 from raydeck.config import load_settings
+from raydeck.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 QUEUE_JOB_ENV = "RAYDECK_QUEUE_JOB"
+# An elastic job's allowed size: the queue restarts it at another through this same signal.
+QUEUE_WORKERS_ENV = "RAYDECK_QUEUE_WORKERS"
 # The queue's detached actor, in the settings' Ray namespace.
 QUEUE_ACTOR_NAME = "raydeck-queue"
 QUEUE_CALL_TIMEOUT_S = 10.0
@@ -70,6 +75,22 @@ _handle: Any = None
 def queue_job_id() -> str | None:
     """The queue's id of this job, None when the queue did not start it."""
     return os.environ.get(QUEUE_JOB_ENV) or None
+
+
+def queue_workers() -> int | None:
+    """The most workers the queue allows this elastic job now, None when it sets no bound (a
+    fixed gang, or a job the queue did not start).
+
+    Raises:
+        ConfigError: ``RAYDECK_QUEUE_WORKERS`` is set but not a whole number >= 1.
+    """
+    raw = os.environ.get(QUEUE_WORKERS_ENV)
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"{QUEUE_WORKERS_ENV}={raw!r}: must be a whole number >= 1 (set by "
+                          "the queue; unset it to run the job outside the queue)")
+    return int(raw)
 
 
 def _ask(method: str, job_id: str) -> Any:

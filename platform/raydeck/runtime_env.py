@@ -33,9 +33,9 @@ FORWARDED_VARIABLES = frozenset({"MLFLOW_TRACKING_URI"})
 # Settings that describe the submitting process, not the job: how it reaches the cluster, its
 # `raydeck up` connection file, its presets file (a local path; the job gets its preset by
 # name, RAYDECK_PRESET, resolved where the cluster's nodes read their own presets), and the
-# queue's id of the job it runs in, when a job submits another.
+# queue's id of the job it runs in and the workers it allows it, when a job submits another.
 SUBMITTER_ONLY = frozenset({"RAYDECK_RAY_ADDRESS", "RAYDECK_STACK_FILE", "RAYDECK_PRESETS_FILE",
-                            "RAYDECK_QUEUE_JOB"})
+                            "RAYDECK_QUEUE_JOB", "RAYDECK_QUEUE_WORKERS"})
 
 
 def _references_secret(value: str) -> bool:

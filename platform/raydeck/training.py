@@ -2,12 +2,14 @@
 
 Owns: turning a training function, a scaling choice and a tracker into a ``TorchTrainer`` whose
 workers log to the tracker's run, whose checkpoints go to raydeck's storage, and which restarts
-from the latest checkpoint when a worker dies. Does not own: what a checkpoint holds
-(:mod:`raydeck.checkpointing`) or scaling presets (:mod:`raydeck.scaling`).
+from the latest checkpoint when a worker dies; in a job the queue started, an elastic scaling
+choice kept within the workers the queue allows it (:func:`within_queue`). Does not own: what
+a checkpoint holds (:mod:`raydeck.checkpointing`) or scaling presets (:mod:`raydeck.scaling`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +52,23 @@ def torch_config(scaling_config: Any) -> Any:
     return TorchConfig(backend="gloo") if 0 < gpus < 1 else TorchConfig()
 
 
+def within_queue(scaling_config: Any) -> Any:
+    """``scaling_config`` kept within the workers the queue allows this elastic job now
+    (:func:`raydeck.preemption.queue_workers`): a range ``(min, max)`` becomes ``(min,
+    allowed)``, a fixed ``min`` when the two meet. Ray Train then starts the job at up to that
+    size and grows it no further; the queue restarts it at another size through its preemption
+    signal. A fixed size, or a job the queue sets no bound for, is returned as it is.
+    """
+    allowed = preemption.queue_workers()
+    workers = scaling_config.num_workers
+    if allowed is None or not isinstance(workers, tuple):
+        return scaling_config
+    low, high = workers
+    bound = max(low, min(high, allowed))
+    return dataclasses.replace(scaling_config,
+                               num_workers=bound if bound == low else (low, bound))
+
+
 def fit(
     train_fn: Callable[[dict[str, Any]], None],
     *,
@@ -68,7 +87,8 @@ def fit(
         tracker: the driver's tracker for the run.
         settings: raydeck settings (checkpoint storage).
         train_loop_config: passed to ``train_fn``.
-        scaling_config: a ``ray.train.ScalingConfig``.
+        scaling_config: a ``ray.train.ScalingConfig`` (an elastic one is kept within the
+            size the queue allows the job: :func:`within_queue`).
         max_failures: worker-group restarts from the latest checkpoint before giving up.
         checkpoints_to_keep: newest checkpoints kept in storage.
 
@@ -96,7 +116,7 @@ def fit(
     trainer = TorchTrainer(
         train_fn,
         train_loop_config=train_loop_config,
-        scaling_config=scaling_config,
+        scaling_config=within_queue(scaling_config),
         run_config=run_config,
         torch_config=torch_config(scaling_config),
     )

@@ -69,8 +69,8 @@ def queue(
                                           "[USER] (only they may change it)."),
     address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
 ) -> None:
-    """Show the queue: position, predicted start and why each job waits; change its settings
-    (kept by the queue until changed again)."""
+    """Show the queue: position, predicted start, why each job waits and an elastic job's size
+    (`workers 1 of 1-4`); change its settings (kept by the queue until changed again)."""
     import yaml
 
     from raydeck.errors import ConfigError
@@ -102,6 +102,8 @@ def queue(
     for entry in entries:
         job = entry.job
         needs = f"{job.gpus:g} GPU, {job.cpus:g} CPU" if job.gpus else f"{job.cpus:g} CPU"
+        if job.size:  # an elastic job: the size the queue allows it, of its range
+            needs += f"; {job.size}"
         waited = f"{((job.started_at or now) - job.submitted_at) / 60:.1f}m"
         table.add_row(str(entry.position or "-"), escape(job.id), job.team,
                       escape(f"{job.user}@{job.host}" if job.user else "-"), str(job.priority),

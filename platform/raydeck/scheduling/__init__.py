@@ -18,16 +18,15 @@ from raydeck.scheduling.policies import (
     Capacity,
     FairShare,
     Fifo,
-    Gang,
     Policy,
     Preemption,
     PriorityAging,
     QueuedJob,
-    Resources,
     RunningJob,
     ShortestJobFirst,
     make_policy,
 )
+from raydeck.scheduling.resources import Gang, Resources
 from raydeck.scheduling.simulator import (
     RESTART_OVERHEAD_S,
     PreemptionCost,

@@ -30,7 +30,7 @@ from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.job_view import JobView
 from raydeck.scheduling.jobspec import DEFAULT_TEAM, JobSpec
 from raydeck.scheduling.listing import Entry
-from raydeck.scheduling.policies import Gang
+from raydeck.scheduling.resources import Gang
 
 logger = logging.getLogger(__name__)
 

@@ -37,10 +37,27 @@ class JobView:
     preemptions: int
     user: str = ""
     host: str = ""
+    # An elastic job: the size the queue allows it now (``cpus``/``gpus`` are at it), its range
+    # and the size it restarts at from its next checkpoint (0: none); all 0 for a fixed gang.
+    workers: int = 0
+    min_workers: int = 0
+    max_workers: int = 0
+    resize_to: int = 0
 
     @classmethod
     def of(cls, row: JobRow) -> JobView:
+        elastic = row.max_workers > 0
         return cls(row.id, row.team, row.priority, row.cpus, row.gpus, row.preset, row.key,
                    row.entrypoint, row.estimate_s, row.state, row.reason, row.submitted_at,
                    row.started_at, row.ended_at, row.submission_id, row.preemptions,
-                   row.user, row.host)
+                   row.user, row.host, row.workers if elastic else 0, row.min_workers,
+                   row.max_workers, row.resize_to)
+
+    @property
+    def size(self) -> str:
+        """An elastic job's size in words: ``workers 1 of 1-2`` (``-> 2`` when it restarts at
+        2 from its next checkpoint); "" for a fixed gang."""
+        if not self.max_workers:
+            return ""
+        resizing = f" -> {self.resize_to}" if self.resize_to else ""
+        return f"workers {self.workers} of {self.min_workers}-{self.max_workers}{resizing}"

@@ -16,7 +16,8 @@ from typing import Any
 
 from raydeck.errors import ConfigError
 from raydeck.scheduling.identity import Identity, users
-from raydeck.scheduling.policies import Capacity, Gang, Resources
+from raydeck.scheduling.policies import Capacity
+from raydeck.scheduling.resources import Gang, Resources
 
 DEFAULT_TEAM = "default"
 _TEAM_NAME = re.compile(r"^[a-z0-9][a-z0-9_\-]{0,63}$")

@@ -1,12 +1,13 @@
 """Scheduling policies for a shared cluster, as small objects with one interface.
 
-Owns: :class:`Gang` (how a job's workers must be placed) and :class:`Capacity` (free
-resources, per node when known), :class:`Policy` (given the queue, the running jobs, the free
-and total resources and the time, say which queued jobs start now, and which running jobs to
-preempt for the first one that cannot) and the policies: :class:`Fifo`, :class:`PriorityAging`,
-:class:`ShortestJobFirst`, :class:`FairShare` (decayed usage, weights, per-team quotas),
-:class:`Backfill` (EASY backfill over any of them); ``las`` and ``gittins`` are in
-:mod:`raydeck.scheduling.attained_service`. The same objects drive the simulator.
+Owns: :class:`Capacity` (free resources, per node when known, and where a
+:class:`~raydeck.scheduling.resources.Gang` fits on them), :class:`Policy` (given the queue,
+the running jobs, the free and total resources and the time, say which queued jobs start now,
+and which running jobs to preempt for the first one that cannot) and the policies:
+:class:`Fifo`, :class:`PriorityAging`, :class:`ShortestJobFirst`, :class:`FairShare`
+(decayed usage, weights, per-team quotas), :class:`Backfill` (EASY backfill over any of
+them); ``las`` and ``gittins`` are in :mod:`raydeck.scheduling.attained_service`. The
+same objects drive the simulator.
 
 Every policy holds per-team quotas (``quotas``): a job that would take its team over its quota
 waits without blocking other teams' jobs.
@@ -27,105 +28,14 @@ job that has waited less.
 from __future__ import annotations
 
 import abc
-import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from raydeck.errors import ConfigError
-from raydeck.scaling import Preset, describe_resources, place
+from raydeck.scaling import place
+from raydeck.scheduling.resources import Gang, Resources
 
 DEFAULT_AGING_S = 3600.0
-
-
-@dataclass(frozen=True)
-class Resources:
-    """CPUs and GPUs (GPUs may be fractional, as in the fractional presets; a quota may be
-    infinite in one of them)."""
-
-    cpus: float = 0.0
-    gpus: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("cpus", "gpus"):
-            value = getattr(self, name)
-            if math.isnan(value) or value < 0:
-                raise ConfigError(f"{name}={value}: must be a number >= 0 (inf: no limit)")
-
-    def fits(self, need: Resources) -> bool:
-        return need.cpus <= self.cpus + 1e-9 and need.gpus <= self.gpus + 1e-9
-
-    def __add__(self, other: Resources) -> Resources:
-        return Resources(self.cpus + other.cpus, self.gpus + other.gpus)
-
-    def __sub__(self, other: Resources) -> Resources:
-        return Resources(max(self.cpus - other.cpus, 0.0), max(self.gpus - other.gpus, 0.0))
-
-    def describe(self) -> str:
-        """``2 GPU, 8 CPU`` (parts without a limit left out)."""
-        parts = [f"{value:g} {unit}" for value, unit in ((self.gpus, "GPU"), (self.cpus, "CPU"))
-                 if math.isfinite(value) and (value or unit == "CPU")]
-        return ", ".join(parts) or "no limit"
-
-    def weight(self) -> float:
-        """One number for usage accounting: GPUs dominate (a GPU counts as 8 CPUs)."""
-        return self.gpus * 8 + self.cpus
-
-    @classmethod
-    def of_node(cls, node: Mapping[str, float]) -> Resources:
-        """A node's CPUs and GPUs from Ray's resource dict (``{"CPU": 8, "GPU": 2, ...}``)."""
-        return cls(node.get("CPU", 0.0), node.get("GPU", 0.0))
-
-    def as_node(self) -> dict[str, float]:
-        """As Ray's resource dict, the form :func:`raydeck.scaling.place` takes (no GPU key
-        when there is none)."""
-        return {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
-
-    @staticmethod
-    def total(parts: Iterable[Resources]) -> Resources:
-        summed = Resources()
-        for part in parts:
-            summed = summed + part
-        return summed
-
-
-PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-
-
-@dataclass(frozen=True)
-class Gang:
-    """A job's workers as Ray places them: ``workers`` bundles of ``per_worker`` under a
-    placement strategy (the preset's), all at once or not at all."""
-
-    workers: int
-    per_worker: Resources
-    strategy: str = "PACK"
-
-    def __post_init__(self) -> None:
-        if self.workers < 1:
-            raise ConfigError(f"workers={self.workers}: must be >= 1")
-        if self.strategy not in PLACEMENT_STRATEGIES:
-            raise ConfigError(f"placement {self.strategy!r} is not one of "
-                              f"{', '.join(PLACEMENT_STRATEGIES)}")
-
-    @classmethod
-    def of(cls, preset: Preset) -> Gang:
-        """The gang a scaling preset starts. An elastic preset counts at its maximum: Ray Train
-        grows the job into free room on its own, and the queue does not yet shrink it back, so
-        room it may take is kept from other jobs."""
-        return cls(preset.max_workers, Resources(preset.cpus_per_worker, preset.gpus_per_worker),
-                   preset.placement_strategy)
-
-    @property
-    def needs(self) -> Resources:
-        return Resources(self.workers * self.per_worker.cpus, self.workers * self.per_worker.gpus)
-
-    def bundle(self) -> dict[str, float]:
-        """One worker's Ray resources."""
-        return self.per_worker.as_node()
-
-    def describe(self) -> str:
-        """``4 x (1 CPU, 0.5 GPU), STRICT_PACK``."""
-        return f"{self.workers} x ({describe_resources(self.bundle())}), {self.strategy}"
 
 
 @dataclass(frozen=True)

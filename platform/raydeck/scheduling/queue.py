@@ -3,7 +3,8 @@
 Owns: :class:`JobQueue` (submit, cancel, reprioritize, list with the reason each job waits and
 its predicted start, and :meth:`JobQueue.tick`, which reconciles the jobs it started with the
 job server and starts what the policy says). Who may submit, cancel, reprioritize and configure
-is :mod:`raydeck.scheduling.access`'s rule, applied here. The job server is behind the small
+is :mod:`raydeck.scheduling.access`'s rule, applied here and by
+:mod:`~raydeck.scheduling.job_changes` (cancel, reprioritize). The job server is behind the small
 :class:`~raydeck.scheduling.launcher.Launcher` interface (:mod:`raydeck.scheduling.ray_jobs` is
 Ray's), so the queue's logic is the same in tests and on a cluster. Does not own: what a job
 and a team are (:mod:`raydeck.scheduling.jobspec`), the listing's explanations
@@ -35,6 +36,15 @@ and requeued the same way (it loses the work since its last checkpoint), and so 
 job the job server no longer knows (the head restarted), unless the job's own witness says it
 finished (:mod:`raydeck.scheduling.witness`): then it is recorded ``succeeded``, run once.
 
+Elastic jobs (an elastic preset's gang; :mod:`raydeck.scheduling.resizing`): admitted and
+queued at their minimum, started at the largest size that fits when no waiting job could use the
+room. For the first waiting job that does not fit, elastic jobs are asked to shrink before any
+job is preempted, and they are asked to grow into room no waiting job can use; either way the job
+stops at its next checkpoint (as a victim does) and is relaunched at once at its new size
+(``<id>-r<N>``, same run). Each job's allowed size is in its row and reaches it as
+``RAYDECK_QUEUE_WORKERS``. A growth its job does not reach at a checkpoint within
+``PREEMPT_GRACE_S`` is dropped (nothing waits on it), not forced.
+
 A job whose submission fails never holds up the queue (:mod:`raydeck.scheduling.submission`):
 the jobs behind it start in the same tick.
 
@@ -62,13 +72,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from raydeck.errors import ConfigError
-from raydeck.scheduling import access
+from raydeck.scheduling import access, job_changes, resizing
 from raydeck.scheduling import preemption_rules as rules
 from raydeck.scheduling.config_change import ConfigChange
 from raydeck.scheduling.configuration import QueueConfig
 from raydeck.scheduling.failures import Backoff, classify
 from raydeck.scheduling.history import CachedHistory, predict
 from raydeck.scheduling.identity import Identity
+from raydeck.scheduling.job_changes import JobChanges
 from raydeck.scheduling.job_view import JobView
 from raydeck.scheduling.jobspec import JobSpec, TeamsFile, admit
 from raydeck.scheduling.launcher import Launcher, Observer
@@ -132,6 +143,7 @@ class JobQueue:
         self._ticking = threading.Lock()  # one tick at a time
         self._pruned_at: float | None = None
         self._submitter = Submitter(store, launcher, self._backoff, self._lock)
+        self._changes = JobChanges(store, launcher, self._lock, clock)
         self._config = QueueConfig(store, clock, self._history)
         self._policy = self._config.policy()
         self._min_run_s = self._config.min_run_s()
@@ -199,6 +211,8 @@ class JobQueue:
                      submit_failures=0, retry_at=None,
                      workers=spec.gang.workers if spec.gang else 0,
                      placement=spec.gang.strategy if spec.gang else "",
+                     min_workers=spec.gang.workers if spec.gang and spec.gang.elastic else 0,
+                     max_workers=spec.gang.max_workers if spec.gang else 0,
                      user=spec.submitter.user, host=spec.submitter.host)
         with self._lock:
             if package is not None and spec.package_uri:
@@ -213,68 +227,17 @@ class JobQueue:
         return predict(self._history, self._store.durations, key)
 
     def cancel(self, job_id: str, who: Identity) -> JobView:
-        """As ``who``: take a queued job out (one waiting to retry its submission too), stop a
-        started one, or clear one the job server refused from ``raydeck queue``.
-
-        Raises:
-            ConfigError: no such job, ``who`` may not cancel it (:mod:`.access`), it has
-                already run and ended, or the job server cannot stop it now (it is
-                unreachable: the job keeps running; try again).
-        """
-        with self._lock:
-            row = self._job(job_id)
-            access.check_change(who, row, "cancel", self.teams_file())
-            if row.state not in ("queued", *ACTIVE) and not _refused(row):
-                raise ConfigError(f"job {job_id} has already ended ({row.state})")
-            if row.state not in ACTIVE:
-                return self._cancelled(row)
-        try:  # outside the lock: the job server may be slow
-            self._launcher.stop(row.submission_id)
-        except Exception as exc:
-            failure = classify(exc)
-            # 404: the job server never got it (the queue stopped between recording and
-            # submitting it): there is nothing to stop.
-            if failure.http_status != 404:
-                raise ConfigError(f"cannot stop job {job_id} now: {failure.reason}; it "
-                                  "keeps running, try again") from None
-        with self._lock:
-            current = self._store.get(job_id)
-            if current is None or current.state in ENDED:  # it ended meanwhile
-                return JobView.of(current or row)
-            return self._cancelled(current)
+        """As ``who``: take a job out of the queue or stop it
+        (:meth:`~raydeck.scheduling.job_changes.JobChanges.cancel`)."""
+        return self._changes.cancel(job_id, who, self.teams_file())
 
     def reprioritize(self, job_id: str, priority: int, who: Identity) -> JobView:
-        """As ``who``: give a job not yet ended a new priority (the policy orders queued jobs by
-        it from the next tick; a started job's decides which jobs may preempt it).
-
-        Raises:
-            ConfigError: no such job, it has ended, ``who`` may not change it, or the priority
-                is negative or over its team's bound (:mod:`.access`).
-        """
-        if priority < 0:
-            raise ConfigError(f"--priority={priority}: must be >= 0 (higher runs first)")
-        with self._lock:
-            row, teams = self._job(job_id), self.teams_file()
-            access.check_change(who, row, "reprioritize", teams)
-            access.check_priority(who, priority, row.team, teams)
-            if row.state in ENDED:
-                raise ConfigError(f"job {job_id} has already ended ({row.state})")
-            self._store.update(job_id, priority=priority)
-            return JobView.of(self._job(job_id))
+        """As ``who``: give a job not yet ended a new priority
+        (:meth:`~raydeck.scheduling.job_changes.JobChanges.reprioritize`)."""
+        return self._changes.reprioritize(job_id, priority, who, self.teams_file())
 
     def _job(self, job_id: str) -> JobRow:
-        row = self._store.get(job_id)
-        if row is None:
-            raise ConfigError(f"no job {job_id!r} in the queue (`raydeck queue` lists them)")
-        return row
-
-    def _cancelled(self, row: JobRow) -> JobView:
-        self._store.update(row.id, state="cancelled", ended_at=self._clock(), retry_at=None,
-                           reason="cancelled by raydeck cancel"
-                                  + (f" (it had failed: {row.reason})" if _refused(row) else ""))
-        updated = self._store.get(row.id)
-        assert updated is not None
-        return JobView.of(updated)
+        return job_changes.job(self._store, job_id)
 
     def listing(self) -> list[Entry]:
         """Every job not ended, in start order, with why it waits and when it should start;
@@ -313,12 +276,13 @@ class JobQueue:
             return row.state == "preempting"
 
     def preempted(self, job_id: str) -> int | None:
-        """Which preemption of ``job_id`` stopped it (1 for the first): it was told so at a
-        checkpoint it committed after being asked. None if it was not (it may have finished
-        first)."""
+        """Which of ``job_id``'s stops for the queue (preemptions and elastic resizes) this is
+        (1 for the first): it was told so at a checkpoint it committed after being asked. None
+        if it was not (it may have finished first)."""
         with self._lock:
             row = self._store.get(job_id)
-            return row.preemptions + 1 if row is not None and _told(row) else None
+            return (row.preemptions + row.resizes + 1 if row is not None and _told(row)
+                    else None)
 
     def completed(self, job_id: str) -> None:
         """The job's driver saw training run to its end (not stopped for the queue): a job
@@ -386,7 +350,14 @@ class JobQueue:
             if current is None or current.state not in ACTIVE or current.attempt != row.attempt:
                 return
             decided = verdict(current, status, now, finished)
-            if decided.action == "requeue":
+            if decided.action == "relaunch":
+                current = self._relaunch(current, now, decided.why)
+            elif decided.action == "keep":
+                # Not asked again before its next checkpoint (it may not be a victim either
+                # until then: it would not stop sooner).
+                self._store.update(row.id, state="running", resize_to=0, preempt_at=None,
+                                   checkpoint_at=None, reason=decided.why)
+            elif decided.action == "requeue":
                 self._requeue(current, now, decided.why, decided.preempted)
             elif decided.action == "end":
                 self._store.update(row.id, state=decided.state, ended_at=now,
@@ -395,24 +366,25 @@ class JobQueue:
                 self._observer.ended(current, now)
             elif decided.action == "running":
                 self._store.update(row.id, state="running")
-        if decided.action == "resubmit":
-            self._submitter.start(current, now)  # recorded, then the queue stopped
+        if decided.action in ("resubmit", "relaunch"):
+            # resubmit: recorded, then the queue stopped; relaunch: at its new size, at once.
+            self._submitter.start(current, now)
         elif decided.action == "stop":
             logger.warning("job %s did not stop within %.0f s of its preemption; stopping it "
                            "(it resumes from its last checkpoint)", row.id, PREEMPT_GRACE_S)
             self._launcher.stop(current.submission_id)
 
     def _schedule(self, now: float) -> list[str]:
-        """Start what the policy says, then ask the policy's victims to stop at their next
-        checkpoint for the first job that still cannot start (jobs already stopping count as
-        gone, so one waiting job never takes more victims than it needs). One read of the
-        queue and of the cluster's resources per tick; each submission outside the lock."""
+        """Start what the policy says (an elastic job at the size :func:`~raydeck.scheduling.
+        resizing.start_sizes` gives it), then make room for the first job that still cannot
+        start, or grow elastic jobs into room no job can use (:meth:`_make_room`). One read of
+        the queue and of the cluster's resources per tick; each submission outside the lock."""
         # A job waiting out a transient submission failure is not a candidate until its time.
         queued_rows = self._store.jobs("queued")
         queued = [_queued(r) for r in queued_rows if r.retry_at is None or r.retry_at <= now]
-        if not queued:
-            return []
         active = self._store.jobs(*ACTIVE)
+        if not queued and not any(r.workers < r.max_workers for r in active):
+            return []  # nothing to start, and no elastic job that could grow
         if self._policy.name == "gittins":  # outside the lock: MLflow may be slow
             self._history.refresh(r.key for r in [*queued_rows, *active])
         # Victims stay behind the job they were preempted for while it is queued.
@@ -430,9 +402,14 @@ class JobQueue:
             with self._lock:
                 decided = rules.decide(self._policy, candidates, running, free, total, now,
                                        preempted_for)
+                sizes = resizing.start_sizes(self._policy, decided,
+                                             [j for j in candidates if j not in decided],
+                                             running, free, now)
             for job in decided:
                 if held_back(job, claiming):
                     break  # Ray places the claiming jobs first; the rest starts at a later tick
+                if job.id in sizes:
+                    job = resizing.at(job, sizes[job.id])
                 with self._lock:
                     chosen = self._store.get(job.id)
                     if chosen is None or chosen.state != "queued":
@@ -440,7 +417,8 @@ class JobQueue:
                     # Recorded before submitting: a queue that dies here resubmits under the
                     # same id, which the job server refuses if the first submission got through.
                     self._store.update(job.id, state="starting", started_at=now,
-                                       preempted_for="")
+                                       preempted_for="", **chosen.sized(sizes.get(job.id)))
+                    chosen = self._job(job.id)
                 if not self._submitter.start(chosen, now):
                     # What it would have held is still free: the policy decides again without
                     # it, so the jobs behind a bad one start in this same tick.
@@ -456,43 +434,54 @@ class JobQueue:
                 free = left
         waiting = [job for job in queued if job.id not in started and job.id not in unstarted]
         with self._lock:
-            self._preempt(waiting, preempted_for, running, free, now)
+            self._make_room(waiting, preempted_for, running, free, now)
         return started
 
-    def _preempt(self, waiting: list[QueuedJob], preempted_for: Mapping[str, str],
-                 running: list[RunningJob], free: Capacity, now: float) -> None:
-        """Ask the policy's victims for the first of ``waiting`` that cannot start to stop at
-        their next checkpoint (under the lock)."""
-        stopping = {r.id for r in self._store.jobs("preempting")}
-        pool = free.pool
-        for job in running:
-            if job.job.id in stopping:
-                pool = pool + job.job.needs
-        decision = rules.preempt(self._policy, [j for j in waiting if j.id not in preempted_for],
-                                 [r for r in running if r.job.id not in stopping], pool, now,
-                                 self._min_run_s)
-        if decision is None:
-            return
-        for victim in decision.victims:
-            self._store.update(victim.job.id, state="preempting", preempt_at=now,
-                               preempted_for=decision.job.id,
-                               reason=f"preempted for {decision.job.id} (priority "
-                                      f"{decision.job.priority}): stops at its next checkpoint")
-            asked = self._store.get(victim.job.id)
-            assert asked is not None
-            self._observer.preempted(asked, now)
-            logger.info("preempting %s for %s", victim.job.id, decision.job.id)
+    def _make_room(self, waiting: list[QueuedJob], preempted_for: Mapping[str, str],
+                   running: list[RunningJob], free: Capacity, now: float) -> None:
+        """Record what :func:`~raydeck.scheduling.resizing.make_room` decides (under the
+        lock): elastic jobs to shrink, else victims to stop, for the first of ``waiting`` that
+        cannot start, each at its next checkpoint; or elastic jobs to grow at theirs."""
+        rows = {r.id: r for r in self._store.jobs(*ACTIVE)}
+        room = resizing.make_room(self._policy, waiting, preempted_for, running, rows, free.pool,
+                                  now, self._min_run_s)
+        for job_id, size in room.resizes:
+            why = (f"shrinks to {size} workers for {room.job.id} at its next checkpoint"
+                   if room.job is not None else f"grows to {size} workers at its next checkpoint")
+            self._store.update(job_id, state="preempting", preempt_at=now, resize_to=size,
+                               reason=why, **({"preempted_for": room.job.id} if room.job else {}))
+            logger.info("job %s %s", job_id, why)
+        for victim in room.victims:
+            assert room.job is not None
+            self._store.update(victim, state="preempting", preempt_at=now,
+                               preempted_for=room.job.id,
+                               reason=f"preempted for {room.job.id} (priority "
+                                      f"{room.job.priority}): stops at its next checkpoint")
+            self._observer.preempted(self._job(victim), now)
+            logger.info("preempting %s for %s", victim, room.job.id)
 
     def _requeue(self, row: JobRow, now: float, why: str, preempted: bool = False) -> None:
-        """Put a started job back in the queue, its place kept (same submission time); its
-        next attempt is a new job-server job with the same run id, so it resumes from its last
-        checkpoint in its MLflow run."""
+        """Put a started job back in the queue, its place kept (same submission time; an
+        elastic job at its minimum); its next attempt is a new job-server job with the same run
+        id, so it resumes from its last checkpoint in its MLflow run."""
         self._store.update(row.id, state="queued", attempt=row.attempt + 1,
                            preemptions=row.preemptions + int(preempted), started_at=None,
-                           preempt_at=None, checkpoint_at=None, completed_at=None,
-                           reason=f"{why}; resumes from its checkpoint")
+                           preempt_at=None, checkpoint_at=None, completed_at=None, resize_to=0,
+                           reason=f"{why}; resumes from its checkpoint", **row.sized())
         self._policy.ended(_running(row, now), now)
         logger.info("job %s is back in the queue: %s", row.id, why)
+
+    def _relaunch(self, row: JobRow, now: float, why: str) -> JobRow:
+        """Start elastic ``row``, stopped at its checkpoint for a resize, again at once at its
+        new size (recorded ``starting``, as in :meth:`_schedule`): a new job-server job with
+        the same run id, resuming from that checkpoint in its MLflow run."""
+        self._store.update(row.id, state="starting", attempt=row.attempt + 1,
+                           resizes=row.resizes + 1, started_at=now, preempt_at=None,
+                           checkpoint_at=None, completed_at=None, resize_to=0, reason=why,
+                           **row.sized(row.resize_to))
+        self._policy.ended(_running(row, now), now)
+        logger.info("job %s restarts at once: %s", row.id, why)
+        return self._job(row.id)
 
     def _resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
         """The launcher's ``resources()``; a failure as one line for the client."""

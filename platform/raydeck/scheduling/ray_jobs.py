@@ -21,10 +21,10 @@ from typing import Any
 
 from raydeck.errors import JobSubmissionError
 from raydeck.jobs import JobServer
-from raydeck.preemption import QUEUE_JOB_ENV
+from raydeck.preemption import QUEUE_JOB_ENV, QUEUE_WORKERS_ENV
 from raydeck.redaction import redact_url
 from raydeck.scheduling.launcher import LAUNCHER_TIMEOUT_S, Launcher
-from raydeck.scheduling.policies import Resources
+from raydeck.scheduling.resources import Resources
 from raydeck.scheduling.store import JobRow
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,14 @@ logger = logging.getLogger(__name__)
 # Each HTTP request to the job server (connect, and each read); the queue bounds whole calls
 # with LAUNCHER_TIMEOUT_S too (raydeck.scheduling.launcher.TimedLauncher).
 REQUEST_TIMEOUT_S = LAUNCHER_TIMEOUT_S
+
+
+def queue_env(row: JobRow) -> dict[str, str]:
+    """The variables the queue sets in a job's runtime env (driver and every worker): its queue
+    id (preemption asks by it) and, for an elastic job, the most workers the queue allows it
+    now (:func:`raydeck.training.fit` keeps Ray Train within it)."""
+    allowed = {QUEUE_WORKERS_ENV: str(row.workers)} if row.elastic else {}
+    return {QUEUE_JOB_ENV: row.id, **allowed}
 
 
 class RayJobs(Launcher):
@@ -78,8 +86,7 @@ class RayJobs(Launcher):
                                          f"{row.package_uri} is gone and was not kept")
             packaging.upload_package_to_gcs(row.package_uri, package)
         runtime_env = json.loads(row.runtime_env)
-        # The job (driver and every worker) learns its queue id: preemption asks by it.
-        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), QUEUE_JOB_ENV: row.id}
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **queue_env(row)}
         try:
             self._jobs().submit_job(entrypoint=row.entrypoint, submission_id=row.submission_id,
                                     runtime_env=runtime_env,

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raydeck.scheduling.policies import Capacity, Gang, QueuedJob, Resources, RunningJob
+from raydeck.scheduling.policies import Capacity, QueuedJob, RunningJob
+from raydeck.scheduling.resources import Gang, Resources
 from raydeck.scheduling.store import JobRow
 
 PREEMPT_GRACE_S = 300.0
@@ -26,7 +27,10 @@ class Verdict:
     checkpoint; ``preempted`` when it stopped for another job), ``stop`` (asked to stop over
     ``PREEMPT_GRACE_S`` ago and still running: the job server stops it), ``end`` (it ended as
     ``state``; ``why`` when the job server did not say so), ``running`` (the job server has
-    it) or ``""`` (nothing changes)."""
+    it), ``relaunch`` (an elastic job stopped at its checkpoint to restart at the size it was
+    asked to: at once, no queueing), ``keep`` (an elastic job asked to grow that has not
+    reached a checkpoint in ``PREEMPT_GRACE_S``: it goes on at its size, nothing waits on its
+    growth) or ``""`` (nothing changes)."""
 
     action: str
     why: str = ""
@@ -55,9 +59,14 @@ def verdict(row: JobRow, status: str | None, now: float, finished: str = "") -> 
         # Stopped at its checkpoint (or by the job server after the grace period). A job told
         # to stop whose driver still exited 0 without saying training ran to its end stopped
         # there too: its run resumes rather than being taken as finished.
+        if row.resize_to:
+            return Verdict("relaunch", f"resized from {row.workers} to {row.resize_to} workers")
         return Verdict("requeue", "preempted", preempted=True)
     if row.state == "preempting" and row.preempt_at is not None \
             and now - row.preempt_at > PREEMPT_GRACE_S and status not in TERMINAL:
+        if row.resize_to > row.workers:
+            return Verdict("keep", f"no checkpoint within {PREEMPT_GRACE_S:.0f} s of being "
+                                   f"asked to grow to {row.resize_to} workers")
         return Verdict("stop")
     if status in TERMINAL:
         return Verdict("end", state=TERMINAL[status])
@@ -79,7 +88,7 @@ def refused(row: JobRow) -> bool:
 def queued(row: JobRow) -> QueuedJob:
     """``row`` as a policy sees a queued job."""
     gang = (Gang(row.workers, Resources(row.cpus / row.workers, row.gpus / row.workers),
-                 row.placement) if row.workers else None)
+                 row.placement, row.max_workers) if row.workers else None)
     return QueuedJob(row.id, row.team, row.priority, Resources(row.cpus, row.gpus),
                      row.submitted_at, row.estimate_s, gang, key=row.key)
 
@@ -87,18 +96,26 @@ def queued(row: JobRow) -> QueuedJob:
 def running(row: JobRow, now: float) -> RunningJob:
     """``row`` as a policy sees a started job."""
     return RunningJob(queued(row), row.started_at or now, row.checkpoint_at,
-                      resumed=row.preemptions > 0)
+                      resumed=row.preemptions + row.resizes > 0)
+
+
+def holds(row: JobRow) -> Resources:
+    """What active ``row`` holds: its needs, an elastic job's at the larger of its size and the
+    size it is asked to restart at."""
+    grown = row.sized(row.resize_to) if row.resize_to > row.workers else {}
+    return Resources(grown.get("cpus", row.cpus), grown.get("gpus", row.gpus))
 
 
 def free_capacity(free_nodes: tuple[Resources, ...], total_nodes: tuple[Resources, ...],
                   active: list[JobRow]) -> tuple[Capacity, Resources]:
     """Free (per node, and a pool) and total resources, ``active`` being the queue's started
     jobs: the pool is the smaller of what is free now (jobs outside the queue count) and the
-    total less what ``active`` holds (a job just started may not have claimed its own yet)."""
+    total less what ``active`` holds (a job just started may not have claimed its own yet; an
+    elastic job asked to grow holds its new size already: the room is kept for its restart)."""
     available, total = Resources.total(free_nodes), Resources.total(total_nodes)
     held = Resources()
     for row in active:
-        held = held + Resources(row.cpus, row.gpus)
+        held = held + holds(row)
     by_reservation = total - held
     pool = Resources(min(available.cpus, by_reservation.cpus),
                      min(available.gpus, by_reservation.gpus))

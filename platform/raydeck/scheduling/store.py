@@ -77,6 +77,14 @@ class JobRow(_Base):
     # (0 workers: no gang, placed anywhere).
     workers: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     placement: Mapped[str] = mapped_column(String(16), default="", server_default="")
+    # An elastic gang's range (0, 0: a fixed gang). ``workers`` is then the size the queue
+    # allows it: its minimum while queued, the size it was started at while it runs, and
+    # ``cpus``/``gpus`` hold that size (:meth:`sized`). ``resize_to``: the size it is asked to
+    # restart at from its next checkpoint (0: none); ``resizes``: how many times it did.
+    min_workers: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    max_workers: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    resize_to: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    resizes: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
     # A queued job whose submission failed transiently (the job server down or busy): its
     # consecutive failures and when it is tried again (None: whenever the policy says).
     submit_failures: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
@@ -90,6 +98,19 @@ class JobRow(_Base):
     def submission_id(self) -> str:
         """The job server's id of the current attempt: the queue's id, then ``<id>-r<N>``."""
         return submission_id(self.id, self.attempt)
+
+    @property
+    def elastic(self) -> bool:
+        return self.max_workers > 0
+
+    def sized(self, workers: int | None = None) -> dict[str, Any]:
+        """The columns that change when an elastic job is counted at ``workers`` workers (None:
+        its minimum, the size it waits at in the queue); nothing for a fixed gang."""
+        if not self.elastic:
+            return {}
+        size = self.min_workers if workers is None else workers
+        return {"workers": size, "cpus": self.cpus / self.workers * size,
+                "gpus": self.gpus / self.workers * size}
 
 
 def submission_id(job_id: str, attempt: int) -> str:

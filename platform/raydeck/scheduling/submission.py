@@ -88,7 +88,7 @@ class Submitter:
         retry_at = now + self.backoff.delay_s(failures)
         self.store.update(
             row.id, state="queued", started_at=None, submit_failures=failures,
-            retry_at=retry_at,
+            retry_at=retry_at, **row.sized(),
             reason=f"submission failed {failures}x ({failure.reason}); retried at "
                    f"{time.strftime('%H:%M:%S', time.localtime(retry_at))}")
         logger.warning("job %s: submission failed (%s); retrying in %.0f s", row.id,

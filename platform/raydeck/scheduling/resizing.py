@@ -1,0 +1,164 @@
+"""The live queue's elastic jobs: the size a starting one gets, which running ones shrink for the
+first waiting job (before any job is preempted) and which grow back into room no waiting job can
+use.
+
+Owns: :func:`make_room` (shrink, else preempt, for the first waiting job; or grow),
+:func:`start_sizes`, :func:`shrinks` and :func:`grows`, which turn the queue's rows and the
+policy's views into the inputs of :func:`raydeck.scheduling.elastic.shrink` and
+:func:`~raydeck.scheduling.elastic.grow` (the rules, which the simulator carries out too) and
+return their answers; and :func:`at`, a queued job counted at another size. Pure functions of
+what the queue read. The queue (:mod:`raydeck.scheduling.queue`) records each answer as a
+request the job learns at its next checkpoint, as a preemption is (:mod:`raydeck.preemption`),
+and relaunches the job at once at its new size when it stopped there
+(:func:`~raydeck.scheduling.reconcile.verdict`'s ``relaunch``); the job's driver keeps Ray Train
+within the size the queue allowed (``RAYDECK_QUEUE_WORKERS``, :func:`raydeck.training.fit`).
+
+Only jobs that may be preempted (:func:`~raydeck.scheduling.preemption_rules.preemptible`: a
+checkpoint committed in this attempt, and a restarted attempt's minimum run) are resized, so a
+resize, like a preemption, never loops. A growth is counted on the pool (which nodes the job's
+workers hold is Ray's): a gang that would not be placed at its new size restarts at what Ray
+places, never above it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from raydeck.scheduling import elastic
+from raydeck.scheduling.policies import Capacity, Policy, QueuedJob, RunningJob
+from raydeck.scheduling.preemption_rules import preempt, preemptible
+from raydeck.scheduling.reconcile import holds
+from raydeck.scheduling.resources import Gang, Resources
+from raydeck.scheduling.store import JobRow
+
+
+def at(job: QueuedJob, workers: int) -> QueuedJob:
+    """``job`` (an elastic gang) counted at ``workers`` workers."""
+    assert job.gang is not None
+    gang = job.gang.at(workers)
+    return dataclasses.replace(job, gang=gang, needs=gang.needs)
+
+
+def _resizable(piece: RunningJob, gang: Gang, minimum: int) -> elastic.Resizable:
+    return elastic.Resizable(piece, gang.workers, elastic.Elasticity(gang.max_workers, minimum),
+                             gang.at(gang.max_workers).needs)
+
+
+def start_sizes(policy: Policy, starting: Sequence[QueuedJob], waiting: Sequence[QueuedJob],
+                running: Sequence[RunningJob], free: Capacity, now: float) -> dict[str, int]:
+    """The size each elastic job of ``starting`` (the policy's choice, each at its minimum, in
+    start order on ``free``) starts at: the largest :func:`~raydeck.scheduling.elastic.grow`
+    gives it when none of ``waiting`` could use the room, within which it and every job after it
+    are still placed whole; else its minimum."""
+    left = free
+    for job in starting:
+        after = left.after(job)
+        assert after is not None, "the policy placed it on this same capacity"
+        left = after
+    fresh = [RunningJob(job, now) for job in starting]
+    resizable = [_resizable(piece, piece.job.gang, piece.job.gang.workers) for piece in fresh
+                 if piece.job.gang is not None and piece.job.gang.elastic]
+    proposed = dict(elastic.grow(policy, waiting, [*running, *fresh], resizable, left.pool, now,
+                                 lambda job: True))
+    sizes: dict[str, int] = {}
+    capacity = free
+    for index, job in enumerate(starting):
+        if job.gang is None or not job.gang.elastic:
+            placed = capacity.after(job)
+        else:
+            size = proposed.get(job.id, job.gang.workers)
+            while size > job.gang.workers and not _placed(capacity, [at(job, size),
+                                                                     *starting[index + 1:]]):
+                size -= 1
+            sizes[job.id] = size
+            placed = capacity.after(at(job, size))
+        assert placed is not None
+        capacity = placed
+    return sizes
+
+
+def _placed(capacity: Capacity, jobs: Sequence[QueuedJob]) -> bool:
+    """Whether ``jobs`` are all placed whole on ``capacity``, in order."""
+    for job in jobs:
+        left = capacity.after(job)
+        if left is None:
+            return False
+        capacity = left
+    return True
+
+
+def resizable(rows: Mapping[str, JobRow], running: Sequence[RunningJob]
+              ) -> list[elastic.Resizable]:
+    """The elastic jobs of ``running`` (views of the queue's ``rows``, by id) as
+    :mod:`~raydeck.scheduling.elastic` decides on them (a job started in this tick has no
+    row there and no checkpoint: it is not resized)."""
+    found = []
+    for piece in running:
+        row = rows.get(piece.job.id)
+        if row is not None and row.elastic and piece.job.gang is not None:
+            found.append(_resizable(piece, piece.job.gang, row.min_workers))
+    return found
+
+
+def shrinks(policy: Policy, waiting: Sequence[QueuedJob], running: Sequence[RunningJob],
+            rows: Mapping[str, JobRow], free: Resources, now: float, min_run_s: float
+            ) -> tuple[QueuedJob | None, list[tuple[str, int]]]:
+    """:func:`raydeck.scheduling.elastic.shrink` over the queue's running elastic jobs that may
+    be preempted (``running`` and ``free`` leave out, and count as free, what jobs already
+    stopping or shrinking give back)."""
+    return elastic.shrink(policy, waiting, running, resizable(rows, running), free, now,
+                          lambda job: preemptible(job.running, now, min_run_s))
+
+
+def grows(policy: Policy, waiting: Sequence[QueuedJob], running: Sequence[RunningJob],
+          rows: Mapping[str, JobRow], free: Resources, now: float, min_run_s: float
+          ) -> list[tuple[str, int]]:
+    """:func:`raydeck.scheduling.elastic.grow` over the queue's running elastic jobs that may
+    be preempted: which grow into ``free``, and to what size."""
+    return elastic.grow(policy, waiting, running, resizable(rows, running), free, now,
+                        lambda job: preemptible(job.running, now, min_run_s))
+
+
+@dataclass(frozen=True)
+class Room:
+    """What :func:`make_room` decided: ``resizes`` (``(id, new size)``) and ``victims`` (ids to
+    stop), each at its next checkpoint, for waiting ``job``; or, with no ``job``, ``resizes``
+    that grow elastic jobs into room no waiting job can use. Empty: nothing to do."""
+
+    job: QueuedJob | None = None
+    resizes: tuple[tuple[str, int], ...] = ()
+    victims: tuple[str, ...] = ()
+
+
+def make_room(policy: Policy, waiting: Sequence[QueuedJob], preempted_for: Mapping[str, str],
+              running: Sequence[RunningJob], rows: Mapping[str, JobRow], free: Resources,
+              now: float, min_run_s: float) -> Room:
+    """For the first of ``waiting`` (less the victims ``preempted_for`` holds back) that cannot
+    start on ``free``: shrink elastic jobs if that makes it fit (:func:`shrinks`), else stop the
+    policy's victims (:func:`~raydeck.scheduling.preemption_rules.preempt`). With nothing to
+    make room for and no job stopping or resizing (room being made belongs to the job it is
+    made for), grow elastic jobs (:func:`grows`).
+
+    ``running``: the started jobs as the policy sees them, ``rows`` the queue's active rows by
+    id; a job asked to stop counts as gone, one asked to shrink as its new size.
+    """
+    stopping = {job_id for job_id, row in rows.items() if row.state == "preempting"}
+    pool = free
+    for job_id in stopping:
+        row = rows[job_id]
+        kept = row.sized(row.resize_to) if row.resize_to else {}
+        pool = pool + holds(row) - Resources(kept.get("cpus", 0.0), kept.get("gpus", 0.0))
+    others = [piece for piece in running if piece.job.id not in stopping]
+    queue = [job for job in waiting if job.id not in preempted_for]
+    if queue:
+        head, shrunk = shrinks(policy, queue, others, rows, pool, now, min_run_s)
+        if shrunk:
+            return Room(head, tuple(shrunk))
+        decision = preempt(policy, queue, others, pool, now, min_run_s)
+        if decision is not None:
+            return Room(decision.job, victims=tuple(v.job.id for v in decision.victims))
+    if stopping or preempted_for:
+        return Room()
+    return Room(resizes=tuple(grows(policy, queue, others, rows, pool, now, min_run_s)))
