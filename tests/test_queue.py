@@ -48,6 +48,11 @@ PRESETS = {
     "h3": {"num_workers": 1, "cpus_per_worker": 3, "gpus_per_worker": 1},
     "t3": {"num_workers": 2, "cpus_per_worker": 1.5, "placement_strategy": "STRICT_PACK"},
     "c1": {"num_workers": 1, "cpus_per_worker": 1},
+    # The elastic test's: a digits job of one or two 3-CPU workers, a holder that leaves it
+    # room for one, and a higher-priority job that fits beside one but not beside two.
+    "e3": {"num_workers": [1, 2], "cpus_per_worker": 3},
+    "h5": {"num_workers": 1, "cpus_per_worker": 5},
+    "u4": {"num_workers": 1, "cpus_per_worker": 4},
 }
 REPO = Path(__file__).resolve().parents[1]
 TEAMS = {"a": {"cpus": 3}, "b": {"weight": 2}, "c": {}}
@@ -577,6 +582,71 @@ def test_under_las_a_short_job_preempts_a_long_one_past_its_threshold_and_finish
           f"{(short.start_time - stopped.end_time) / 1000:.1f} s after the stop; the long one "
           f"resumed {(resumed.start_time - short.end_time) / 1000:.1f} s after it ended "
           f"({(resumed.start_time - stopped.end_time) / 1000:.1f} s after its stop)")
+
+
+ELASTIC_EPOCHS = 12
+WORLD_SIZE_METRIC = "raydeck/world_size"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_an_elastic_job_starts_small_grows_when_a_holder_ends_and_shrinks_for_a_higher_one(
+        cluster: Cluster, mlflow_client: Any) -> None:
+    """Issue 29: an elastic digits job (one or two 3-CPU workers) queued beside a holder of 5
+    of the 8 CPUs starts at one worker; when the holder ends it is asked to grow and restarts
+    at two from its next checkpoint (``-r1``); a higher-priority job that needs 4 CPUs then
+    shrinks it back to one (``-r2``) instead of waiting or preempting it. The job finishes with
+    every epoch once in one MLflow run, trained at world sizes 1, 2, 1."""
+    _ok(cluster.cli("queue", "--policy", "priority", "--min-run", "1s"))
+    holder, urgent = (cluster.release_file(name) for name in ("el-holder", "el-urgent"))
+    try:
+        _ok(cluster.submit("el-holder", "h5", 0, "c", until=holder))
+        _explained(cluster, lambda: "el-holder" in cluster.events(), 120,
+                   "the holder to start", "raydeck-el-holder")
+        cluster.digits("el", "e3", "c", 0, ELASTIC_EPOCHS)
+        _explained(cluster, lambda: _latest_epoch(mlflow_client, "el") >= 0, 240,
+                   "the elastic job to commit a checkpoint", "raydeck-el")
+        assert "workers 1 of 1-2" in _row(_ok(cluster.cli("queue")), "raydeck-el")
+        holder.touch()
+        released_at = time.time()
+        _explained(cluster, lambda: _job_info(cluster, "raydeck-el-r1") is not None, 180,
+                   "the elastic job to restart at two workers", "raydeck-el")
+        _ok(cluster.submit("el-urgent", "u4", 0, "c", priority=5, until=urgent))
+        urgent_at = time.time()
+        _explained(cluster, lambda: _ended(cluster, "raydeck-el-r2"), 400,
+                   "the elastic job to shrink for the urgent one and end",
+                   "raydeck-el-r1", "raydeck-el-r2", "raydeck-el-urgent")
+        assert "el-urgent" in cluster.events()  # it started beside the shrunk job
+    finally:
+        holder.touch()
+        urgent.touch()
+        _ok(cluster.cli("queue", "--min-run", "10m"))
+
+    grown, shrunk, last, high = (_job_info(cluster, f"raydeck-{job}") for job in (
+        "el", "el-r1", "el-r2", "el-urgent"))
+    for stopped in (grown, shrunk):
+        assert stopped.status.value == "FAILED" and "75" in (stopped.message or ""), stopped
+    assert last.status.value == "SUCCEEDED", last
+    # The urgent job started once the job shrank, beside it, not after it ended.
+    assert shrunk.end_time <= high.start_time <= last.end_time
+    run = _run_of(mlflow_client, "el")
+    tags = run.data.tags
+    assert run.info.status == "FINISHED" and tags["raydeck.preemptions"] == "2", tags
+    history = mlflow_client.get_metric_history(run.info.run_id, "val_accuracy")
+    assert sorted(point.step for point in history) == list(range(ELASTIC_EPOCHS))
+    sizes = [int(point.value) for point in sorted(mlflow_client.get_metric_history(
+        run.info.run_id, WORLD_SIZE_METRIC), key=lambda point: point.step)]
+    assert [size for index, size in enumerate(sizes)
+            if index == 0 or size != sizes[index - 1]] == [1, 2, 1], sizes
+    _explained(cluster, lambda: _ended(cluster, "raydeck-el-urgent"), 120,
+               "the urgent job to end", "raydeck-el-urgent")
+    _unlisted(cluster, "raydeck-el", "raydeck-el-urgent", "raydeck-el-holder")
+    print(f"\nelastic resizes: grow (holder released) -> stopped at its next checkpoint "
+          f"{grown.end_time / 1000 - released_at:.1f} s later -> relaunched at 2 workers "
+          f"{(shrunk.start_time - grown.end_time) / 1000:.1f} s after the stop; shrink (urgent "
+          f"job queued) -> stopped {shrunk.end_time / 1000 - urgent_at:.1f} s later -> "
+          f"relaunched at 1 worker {(last.start_time - shrunk.end_time) / 1000:.1f} s after "
+          f"the stop; world sizes per epoch {sizes}")
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from raydeck.cli.main import app
 from raydeck.errors import ConfigError
 from raydeck.scheduling import client
 from raydeck.scheduling.config_change import ConfigChange
+from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.listing import Entry
 from raydeck.scheduling.preemption_rules import MIN_RUN_BEFORE_PREEMPTION_S
 from raydeck.scheduling.queue import JobQueue, JobSpec
@@ -228,3 +229,12 @@ def test_raydeck_queue_shows_each_elastic_jobs_size_and_range(
     assert "1 CPU; workers 1 of 1-2" in line
     (line,) = [row for row in shown.output.splitlines() if " holder " in row]
     assert "workers" not in line
+
+
+def test_an_elastic_job_grows_no_further_than_its_teams_quota(tmp_path: Path) -> None:
+    server, clock = FakeJobServer(), [0.0]
+    queue = _queue(tmp_path / "q.db", server, clock)
+    queue.configure(Identity.here(), teams={"a": {"cpus": 3}})
+    queue.submit(_elastic("E"))
+    assert queue.tick() == ["E"]
+    assert _entry(queue, "E").job.size == "workers 3 of 1-4"  # 4 fit the node; the quota is 3

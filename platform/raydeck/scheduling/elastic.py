@@ -23,6 +23,7 @@ it, that is while the first waiting job would not fit even with every elastic jo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -132,8 +133,9 @@ def grow(policy: Policy, queue: Sequence[QueuedJob], running: Sequence[RunningJo
          elastic: Sequence[Resizable], free: Resources, now: float,
          can_resize: Callable[[Resizable], bool]) -> list[tuple[str, int]]:
     """The elastic jobs to grow into ``free``: ``[(id, new size)]``, the job the policy would
-    shrink last first, each to the largest size that fits. Nothing while the first waiting job
-    would fit with every elastic job at its minimum (that room is its, through :func:`shrink`).
+    shrink last first, each to the largest size that fits, within its team's quota
+    (:meth:`Policy.allowed`). Nothing while the first waiting job would fit with every elastic
+    job at its minimum (that room is its, through :func:`shrink`).
     """
     first = _head(policy, queue, running, now)
     surplus = Resources.total(r.surplus for r in elastic)
@@ -145,9 +147,12 @@ def grow(policy: Policy, queue: Sequence[QueuedJob], running: Sequence[RunningJo
         if candidate.workers >= candidate.elasticity.workers or not can_resize(candidate):
             continue
         held = candidate.running.job.needs
+        others = [r for r in running if r.job.id != candidate.running.job.id]
         size = candidate.workers
         while size < candidate.elasticity.workers and (free + held).fits(
-                candidate.needs_at(size + 1)):
+                candidate.needs_at(size + 1)) and policy.allowed(
+                dataclasses.replace(candidate.running.job, needs=candidate.needs_at(size + 1)),
+                others):
             size += 1
         if size > candidate.workers:
             free = free + held - candidate.needs_at(size)
