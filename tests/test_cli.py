@@ -74,8 +74,11 @@ def test_negative_worker_count_in_a_presets_file(tmp_path: Path) -> None:
 @pytest.mark.timeout(90)
 def test_status_exits_2_when_the_configured_mlflow_is_unreachable(tmp_path: Path) -> None:
     uri = f"http://127.0.0.1:{free_port()}"
+    # Ray pinned to "local" (nothing to inspect): with no address, status would inspect any Ray
+    # running on this machine, and a token-auth head another test started adds its warnings.
     result = _raydeck("status", cwd=tmp_path,
-                      env={"RAYDECK_TRACKING_URI": uri, "COLUMNS": "200"})
+                      env={"RAYDECK_TRACKING_URI": uri, "RAYDECK_RAY_ADDRESS": "local",
+                           "COLUMNS": "200"})
     line = _one_error_line(result)
     assert f"MLflow tracking server {uri} is unreachable" in line
     assert "unreachable" in result.stdout
