@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raydeck._internal.atomic_file import atomic_write
 from raydeck.errors import ConfigError, StackError
 from raydeck.secrets import Secret
 from raydeck.stack_credentials import read as read_credentials
@@ -103,11 +104,8 @@ class StackConnection:
     def write(self, path: Path) -> None:
         """Write the file atomically with mode 0600 (parents created)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
-        with os.fdopen(fd, "w") as handle:
+        with atomic_write(path, file_mode=FILE_MODE) as handle:
             handle.write(self.render())
-        os.replace(temporary, path)
 
     def s3_secret(self) -> Secret:
         """The S3 secret from the credentials file (empty if this process cannot read it)."""

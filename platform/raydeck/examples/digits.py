@@ -10,7 +10,6 @@ also across worker failures. ``raydeck demo``, ``jobs/digits_torch.py`` and the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import importlib.metadata
 import logging
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from raydeck._internal.atomic_file import atomic_write
 from raydeck.errors import ConfigError, JobPreemptedError
 from raydeck.models import Standardized
 from raydeck.redaction import RedactingFilter, redact_url
@@ -76,18 +76,14 @@ def raw_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nda
         stratify=data.target,
     )
     split = x_train, y_train.astype(np.int64), x_val, y_val.astype(np.int64)
-    # Written aside and renamed, as the stack's files are: workers starting together never read
-    # half a file.
-    temporary = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        with temporary.open("wb") as handle:
+        # Written aside and renamed, as the stack's files are: workers starting together never
+        # read half a file.
+        with atomic_write(cache, binary=True) as handle:
             np.savez(handle, **dict(zip(("x_train", "y_train", "x_val", "y_val"), split,
                                         strict=True)))
-        os.replace(temporary, cache)
     except OSError as exc:  # a read-only home: every call computes the split, as before
-        with contextlib.suppress(OSError):
-            temporary.unlink()
         logger.debug("digits split not cached at %s: %s", cache, exc)
     return split
 

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from raydeck._internal.atomic_file import atomic_write
 from raydeck.errors import StackError
 from raydeck.stack.processes import ProcessRecord
 
@@ -180,10 +181,8 @@ class StackState:
 
     def save(self, path: Path) -> None:
         """Write atomically (a crash never leaves half a file)."""
-        document = asdict(self)
-        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(document, indent=2, sort_keys=True))
-        os.replace(temporary, path)
+        with atomic_write(path) as handle:
+            handle.write(json.dumps(asdict(self), indent=2, sort_keys=True))
 
 
 @contextlib.contextmanager
