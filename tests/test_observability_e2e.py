@@ -20,9 +20,11 @@ from typing import Any
 import pytest
 import ray
 
-from raydeck.observability.dashboards import check, load_dashboards, load_rule_groups
+from raydeck.observability.dashboard_check import check
+from raydeck.observability.dashboards import load_dashboards, load_rule_groups
 from raydeck.observability.grafana import RAY_FOLDER_UID, provisioning_files, ray_dashboards
-from raydeck.observability.metrics import METRICS, export_interval_s
+from raydeck.observability.held_gauge import export_interval_s
+from raydeck.observability.metrics import METRICS
 from tests.fixtures.processes import wait_until
 from tests.fixtures.prometheus import DASHBOARDS_DIR, SHORT_RULES_GROUP, PrometheusServer
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
+from raydeck.observability.held_gauge import held_series
 from raydeck.observability.metrics import (
     METRICS,
     TRIAL_STATES,
     MetricSpec,
     SweepMetrics,
     TrainingMetrics,
-    held_series,
 )
 
 pytestmark = pytest.mark.timeout(60)

@@ -514,7 +514,8 @@ def test_low_priority_jobs_are_preempted_at_a_checkpoint_and_resume_in_their_run
 def test_the_queue_dashboard_has_data_for_every_panel(cluster: Cluster) -> None:
     """After the jobs above (three teams, a preemption, a prediction): every panel of the Queue
     dashboard has data in a real Prometheus scraping this cluster."""
-    from raydeck.observability.dashboards import check, load_dashboards
+    from raydeck.observability.dashboard_check import check
+    from raydeck.observability.dashboards import load_dashboards
     from raydeck.observability.metrics import METRICS
 
     dashboard = [d for d in load_dashboards(DASHBOARDS_DIR) if d.uid == "raydeck-queue"]

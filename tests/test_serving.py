@@ -458,7 +458,8 @@ def test_config_out_writes_a_serve_config_that_ray_accepts_without_secrets(
 @pytest.mark.timeout(300)
 def test_the_serving_dashboard_has_data_for_every_panel(
         served: Served, prometheus: PrometheusServer) -> None:
-    from raydeck.observability.dashboards import check, load_dashboards
+    from raydeck.observability.dashboard_check import check
+    from raydeck.observability.dashboards import load_dashboards
     from raydeck.observability.metrics import METRICS
 
     dashboard = [d for d in load_dashboards(DASHBOARDS_DIR) if d.uid == "raydeck-serving"]

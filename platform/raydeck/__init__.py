@@ -62,7 +62,7 @@ _SUBMODULES = (
     "checkpointing", "cluster", "config", "errors", "examples", "integrations", "job_probe",
     "job_server_address", "jobs", "kuberay", "models", "observability", "package_data",
     "preemption", "redaction", "runtime_env", "scaling", "scheduling", "secrets",
-    "serve_ingress", "serving",
+    "serve_ingress", "serving", "settings_sections",
     "stack", "stack_connection", "stack_credentials", "storage", "tracking", "tracking_uri",
     "training", "tune",
 )

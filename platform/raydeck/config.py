@@ -3,6 +3,9 @@
 This module is also the registry of every ``RAYDECK_*`` variable: each field below declares its
 variable (derived from the section's prefix and the field name), type, default and a one-line doc.
 ``raydeck config --markdown`` renders the table README shows, and a test keeps the two equal.
+How a declared field becomes its variable and TOML key, and how their text becomes the field's
+type, is :mod:`raydeck.settings_sections`'s; this module says which settings exist, validates
+them and reads them in order of precedence.
 
 Precedence: environment variable > ``raydeck.toml`` (``$RAYDECK_CONFIG`` or ``./raydeck.toml``) >
 the running stack's connection file (``raydeck up``; ``$RAYDECK_STACK_FILE``, see
@@ -30,7 +33,6 @@ import dataclasses
 import os
 import re
 import tomllib
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ from typing import Any, ClassVar, Literal, get_args
 from raydeck.errors import ConfigError
 from raydeck.redaction import redact_env, redact_value
 from raydeck.secrets import Secret
+from raydeck.settings_sections import Section, build_section, format_value, setting
 from raydeck.stack_connection import MLFLOW_TRACKING_URI_ENV, settings_document
 from raydeck.tracking_uri import unwrap_tracking_uri
 
@@ -54,34 +57,7 @@ TrackingMode = Literal["rank_zero", "all_ranks", "per_rank"]
 NonFinitePolicy = Literal["keep", "error"]
 
 RUN_KEY_PATTERN = re.compile(r"^[\w.\-]{1,128}$")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 _URI_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
-def setting(default: Any, doc: str) -> Any:
-    """Declare one setting: its default and the line of documentation README shows."""
-    return field(default=default, metadata={"doc": doc})
-
-
-class _Section:
-    """Mixin giving each settings section its variable prefix and TOML table."""
-
-    ENV_PREFIX: ClassVar[str] = "RAYDECK_"
-    TOML_TABLE: ClassVar[str] = ""
-
-    @classmethod
-    def env_name(cls, name: str) -> str:
-        return f"{cls.ENV_PREFIX}{name.upper()}"
-
-    @classmethod
-    def toml_key(cls, name: str) -> str:
-        return f"[{cls.TOML_TABLE}].{name}" if cls.TOML_TABLE else name
-
-    def _reject(self, name: str, rule: str) -> ConfigError:
-        value = getattr(self, name)
-        shown = "<secret>" if isinstance(value, Secret) else _shown(self.env_name(name), value)
-        return ConfigError(
-            f"{self.env_name(name)} (raydeck.toml {self.toml_key(name)}) = {shown!r}: {rule}"
-        )
 
 
 def tracking_uri_problem(uri: str) -> str | None:
@@ -101,7 +77,7 @@ def tracking_uri_problem(uri: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class TrackingSettings(_Section):
+class TrackingSettings(Section):
     """The tracking proxy and the MLflow server it writes to."""
 
     ENV_PREFIX: ClassVar[str] = "RAYDECK_TRACKING_"
@@ -177,7 +153,7 @@ class TrackingSettings(_Section):
 
 
 @dataclass(frozen=True)
-class StorageSettings(_Section):
+class StorageSettings(Section):
     """S3-compatible object storage (MinIO in production) for artifacts and checkpoints."""
 
     ENV_PREFIX: ClassVar[str] = "RAYDECK_S3_"
@@ -218,7 +194,7 @@ class StorageSettings(_Section):
 
 
 @dataclass(frozen=True)
-class Settings(_Section):
+class Settings(Section):
     """All of raydeck's settings. Build with :func:`load_settings`; never mutate."""
 
     data_dir: Path = setting(Path(".raydeck"), "Where embedded MLflow, spool and checkpoints live")
@@ -266,62 +242,16 @@ class Settings(_Section):
                 value = getattr(obj, f.name)
                 if isinstance(value, Secret):
                     continue
-                env[section.env_name(f.name)] = _format(value)
+                env[section.env_name(f.name)] = format_value(value)
         return redact_env(env)
 
 
-def _sections(settings: Settings) -> list[tuple[type[_Section], Any]]:
+def _sections(settings: Settings) -> list[tuple[type[Section], Any]]:
     return [
         (Settings, settings),
         (TrackingSettings, settings.tracking),
         (StorageSettings, settings.storage),
     ]
-
-
-def _format(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
-def _shown(variable: str, value: Any) -> Any:
-    """``value`` of ``variable`` as an error may quote it: strings redacted, others as they are."""
-    return redact_value(variable, value) if isinstance(value, str) else value
-
-
-def _parse(section: type[_Section], name: str, annotation: Any, raw: Any) -> Any:
-    """Convert an env string or TOML value to the field's type, or raise naming the field."""
-    shown = _shown(section.env_name(name), raw)
-    where = f"{section.env_name(name)} (raydeck.toml {section.toml_key(name)}) = {shown!r}"
-    target = annotation
-    try:
-        if target is bool:
-            if isinstance(raw, bool):
-                return raw
-            text = str(raw).strip().lower()
-            if text in _TRUE:
-                return True
-            if text in _FALSE:
-                return False
-            raise ValueError
-        if target is int:
-            if isinstance(raw, bool) or (isinstance(raw, float) and not raw.is_integer()):
-                raise ValueError
-            return int(raw)
-        if target is float:
-            if isinstance(raw, bool):
-                raise ValueError
-            return float(raw)
-        if target is Path:
-            return Path(str(raw))
-        if target is Secret:
-            return Secret(str(raw))
-        return str(raw)
-    except ValueError:
-        kind = {bool: "true or false", int: "an integer", float: "a number"}.get(target, "text")
-        if target is Secret:
-            where = f"{section.env_name(name)} (raydeck.toml {section.toml_key(name)})"
-        raise ConfigError(f"{where}: must be {kind}") from None
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -332,30 +262,6 @@ def _read_toml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: not valid TOML ({exc})") from None
     except OSError as exc:
         raise ConfigError(f"{path}: cannot be read ({exc.strerror})") from None
-
-
-def _build(
-    section: type[_Section], env: Mapping[str, str], table: Mapping[str, Any], nested: dict
-) -> Any:
-    known = {f.name for f in dataclasses.fields(section)}  # type: ignore[arg-type]
-    unknown = sorted(set(table) - known - set(nested))
-    if unknown:
-        raise ConfigError(
-            f"raydeck.toml: unknown key(s) {', '.join(unknown)} in "
-            f"{('[' + section.TOML_TABLE + ']') if section.TOML_TABLE else 'the top level'}; "
-            f"known: {', '.join(sorted(known))}"
-        )
-    hints = typing.get_type_hints(section)
-    values: dict[str, Any] = dict(nested)
-    for f in dataclasses.fields(section):  # type: ignore[arg-type]
-        if f.name in nested:
-            continue
-        var = section.env_name(f.name)
-        if var in env:
-            values[f.name] = _parse(section, f.name, hints[f.name], env[var])
-        elif f.name in table:
-            values[f.name] = _parse(section, f.name, hints[f.name], table[f.name])
-    return section(**values)
 
 
 def load_settings(
@@ -411,9 +317,9 @@ def load_settings_with_origins(
         table = document.get(section.TOML_TABLE, {})
         if not isinstance(table, dict):
             raise ConfigError(f"raydeck.toml: [{section.TOML_TABLE}] must be a table")
-        tables[section.TOML_TABLE] = _build(section, env, table, {})
+        tables[section.TOML_TABLE] = build_section(section, env, table, {})
     top = {k: v for k, v in document.items() if k not in tables}
-    settings: Settings = _build(Settings, env, top, tables)
+    settings: Settings = build_section(Settings, env, top, tables)
     origins = {
         section.env_name(f.name): _origin(section, f.name, env, (user_origin, user),
                                           (ORIGIN_STACK, stack))
@@ -435,7 +341,7 @@ def load_settings_with_origins(
     return _resolve(settings), origins
 
 
-def _origin(section: type[_Section], name: str, env: Mapping[str, str],
+def _origin(section: type[Section], name: str, env: Mapping[str, str],
             *documents: tuple[str, Mapping[str, Any]]) -> str:
     """Where ``name`` of ``section`` was read from: the environment, the first of ``documents``
     (label, raydeck.toml-shaped document; highest precedence first) that sets it, or default.
@@ -477,7 +383,7 @@ def settings_reference() -> list[tuple[str, str, str, str]]:
             if f.name in ("tracking", "storage"):
                 continue
             default = f.default if f.default is not dataclasses.MISSING else ""
-            shown = "" if isinstance(default, Secret) else _format(default)
+            shown = "" if isinstance(default, Secret) else format_value(default)
             rows.append((section.env_name(f.name), section.toml_key(f.name), shown,
                          f.metadata["doc"]))
     return rows

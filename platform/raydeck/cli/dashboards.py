@@ -112,7 +112,7 @@ def check(
 ) -> None:
     """Run every panel's query against Prometheus; exit 1 if one errors or returns nothing."""
     from raydeck.errors import ConfigError
-    from raydeck.observability.dashboards import check as check_panels
+    from raydeck.observability.dashboard_check import check as check_panels
     from raydeck.observability.dashboards import load_dashboards
     from raydeck.observability.prometheus import PrometheusClient, parse_duration
     from raydeck.redaction import redact_url

@@ -6,8 +6,8 @@
 - :mod:`raydeck.observability.prometheus`: the Prometheus configuration ``raydeck monitoring
   config`` writes, and a small client for Prometheus' HTTP query API.
 - :mod:`raydeck.observability.alerts`: alert rules as data, rendered to Prometheus rule files.
-- :mod:`raydeck.observability.dashboards`: dashboards as data, rendered to Grafana JSON and
-  checked against Prometheus.
+- :mod:`raydeck.observability.dashboards`: dashboards as data, rendered to Grafana JSON.
+- :mod:`raydeck.observability.dashboard_check`: every panel's query run against a Prometheus.
 - :mod:`raydeck.observability.grafana`: Grafana provisioning, and pushing dashboards (raydeck's
   and Ray's own) with the Prometheus datasource over Grafana's API.
 """
@@ -15,5 +15,6 @@
 from raydeck._internal.lazy import lazy_attributes
 
 __getattr__, __dir__ = lazy_attributes(
-    __name__, ("alerts", "dashboards", "grafana", "metrics", "prometheus")
+    __name__, ("alerts", "dashboard_check", "dashboards", "grafana", "held_gauge", "metrics",
+               "prometheus")
 )

@@ -1,12 +1,12 @@
-"""Dashboards as code: panel definitions rendered to Grafana JSON, and checked against Prometheus.
+"""Dashboards as code: panel definitions rendered to Grafana JSON, deterministically.
 
 Owns: the dashboard model (:class:`Dashboard`, :class:`Row`, :class:`Panel`, :class:`Target`,
 :class:`Variable`), its deterministic rendering to Grafana dashboard JSON, loading the
 definitions in ``dashboards/*.py`` (and the alert rules in ``dashboards/alerts/rules.py``),
-writing everything ``raydeck dashboards render`` produces, and ``check`` (every panel's query
-against a Prometheus). Does not own: which panels exist (``dashboards/*.py``), the metrics they
-read (:mod:`raydeck.observability.metrics`) or talking to Grafana
-(:mod:`raydeck.observability.grafana`).
+and writing everything ``raydeck dashboards render`` produces. Does not own: which panels exist
+(``dashboards/*.py``), the metrics they read (:mod:`raydeck.observability.metrics`), running
+their queries against a Prometheus (:mod:`raydeck.observability.dashboard_check`) or talking to
+Grafana (:mod:`raydeck.observability.grafana`).
 
 Why hand-written dataclasses and not a library: raydeck emits four kinds of JSON object
 (dashboard, row, panel, variable) in the stable subset of Grafana's schema that Grafana migrates
@@ -28,17 +28,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from raydeck.errors import ConfigError, QueryError
+from raydeck.errors import ConfigError
 from raydeck.observability.alerts import RULES_FILE_NAME, RuleGroup, render_rules
 from raydeck.observability.grafana import DATASOURCE_NAME, DATASOURCE_UID, provisioning_files
 from raydeck.observability.metrics import MetricSpec
-from raydeck.observability.prometheus import CLUSTER_LABEL, PrometheusClient, prometheus_duration
+from raydeck.observability.prometheus import CLUSTER_LABEL
 
 PanelKind = Literal["timeseries", "stat"]
 
@@ -48,14 +47,8 @@ DATASOURCE_REF = {"type": "prometheus", "uid": "${datasource}"}
 RENDERED_DIR = "grafana"
 ALERTS_DIR = "alerts"
 RULES_DEFINITION = "rules.py"
-# Grafana's own variables, which `check` replaces with concrete values.
+# Grafana's own variables, which `dashboard_check.check` replaces with concrete values.
 BUILTIN_VARIABLES = ("__rate_interval", "__interval", "__range")
-DEFAULT_CHECK_RANGE_S = 900.0
-# `check` evaluates this many points over its range (at least one per second), so a series
-# that lived only seconds, like a short run's gauges, is still seen, as Grafana would draw it.
-CHECK_POINTS = 300
-MIN_CHECK_STEP_S = 1.0
-DEFAULT_RATE_INTERVAL_S = 60.0
 
 _VARIABLE_REF = re.compile(r"\$\{(\w+)\}|\$(\w+)")
 _UID = re.compile(r"^[a-z0-9][a-z0-9\-]{0,39}$")
@@ -251,6 +244,7 @@ def substitute(expr: str, values: Mapping[str, str]) -> str:
     return _VARIABLE_REF.sub(replace, expr)
 
 
+
 def _render_panel(panel: Panel, panel_id: int, x: int, y: int) -> dict[str, Any]:
     description = panel.description
     if panel.empty_ok:
@@ -441,77 +435,3 @@ def render(source_dir: Path, *, write: bool = True) -> list[Path]:
         for path in orphans:
             path.unlink()
     return sorted(stale + orphans)
-
-
-# --- check ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PanelCheck:
-    """What one panel query returned over the checked time range."""
-
-    dashboard: str
-    panel: str
-    ref: str
-    expr: str
-    series: tuple[dict[str, str], ...]
-    error: str = ""
-    empty_ok: str = ""
-
-    @property
-    def status(self) -> str:
-        if self.error:
-            return "error"
-        if self.series:
-            return "data"
-        return "expected empty" if self.empty_ok else "no data"
-
-    @property
-    def failed(self) -> bool:
-        return self.status in ("error", "no data")
-
-
-def check(
-    dashboards: list[Dashboard],
-    client: PrometheusClient,
-    *,
-    range_s: float = DEFAULT_CHECK_RANGE_S,
-    step_s: float | None = None,
-    rate_interval_s: float = DEFAULT_RATE_INTERVAL_S,
-    values: Mapping[str, str] | None = None,
-) -> list[PanelCheck]:
-    """Run every panel query of ``dashboards`` against ``client`` over the last ``range_s``.
-
-    Variables take ``values[name]`` or their "All" value, Grafana's built-ins concrete
-    durations, so each query is what Grafana would send for the default view. A query has
-    data when it returns a series with a drawable (not NaN) sample in the range.
-
-    Raises:
-        MonitoringError: Prometheus cannot be reached (query errors are reported per panel).
-    """
-    end_s = time.time()
-    step_s = step_s or max(MIN_CHECK_STEP_S, range_s / CHECK_POINTS)
-    results = []
-    for dashboard in dashboards:
-        bound = {v.name: (values or {}).get(v.name, v.all_value) for v in dashboard.variables}
-        bound.update({"__rate_interval": prometheus_duration(rate_interval_s),
-                      "__interval": prometheus_duration(step_s),
-                      "__range": prometheus_duration(range_s),
-                      "datasource": DATASOURCE_UID})
-        for panel in dashboard.panels():
-            for index, target in enumerate(panel.targets):
-                expr = substitute(target.expr, bound)
-                try:
-                    series = client.query_range(expr, end_s - range_s, end_s, step_s)
-                    error = ""
-                except QueryError as exc:
-                    series, error = [], str(exc)
-                results.append(PanelCheck(
-                    dashboard=dashboard.title, panel=panel.title, ref=ref_id(index),
-                    expr=expr,
-                    series=tuple(dict(s.get("metric", {})) for s in series if _drawn(s)),
-                    error=error, empty_ok=panel.empty_ok))
-    return results
-
-
-def _drawn(series: Mapping[str, Any]) -> bool:
-    """Whether Grafana would draw anything of ``series``: some sample that is a number."""
-    return any(value not in ("NaN", "+Inf", "-Inf") for _, value in series.get("values", []))

@@ -4,6 +4,7 @@ Modules: :mod:`~raydeck.scheduling.policies` (FIFO, priority with aging, shortes
 fair share with quotas, EASY backfill, preemption victims, placement-aware admission; one
 interface), :mod:`~raydeck.scheduling.attained_service` (Tiresias' LAS and Gittins),
 :mod:`~raydeck.scheduling.simulator` (replaying a trace through a policy without Ray),
+:mod:`~raydeck.scheduling.replay_report` (what a replay returns, and the figures per policy),
 :mod:`~raydeck.scheduling.trace` (the trace format; seeded heavy-tailed traces),
 :mod:`~raydeck.scheduling.elastic` (elastic jobs: scaling curves, when they shrink and grow), the
 queue (:mod:`~raydeck.scheduling.queue`, its store, actor, client and
@@ -26,14 +27,9 @@ from raydeck.scheduling.policies import (
     ShortestJobFirst,
     make_policy,
 )
+from raydeck.scheduling.replay_report import Report, Scheduled
 from raydeck.scheduling.resources import Gang, Resources
-from raydeck.scheduling.simulator import (
-    RESTART_OVERHEAD_S,
-    PreemptionCost,
-    Report,
-    Scheduled,
-    simulate,
-)
+from raydeck.scheduling.simulator import RESTART_OVERHEAD_S, PreemptionCost, simulate
 from raydeck.scheduling.trace import TraceJob, generate_trace, read_trace, write_trace
 
 __all__ = [
