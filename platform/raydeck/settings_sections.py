@@ -3,9 +3,9 @@
 Owns: :func:`setting` (declaring one setting: its default and the line of documentation README
 shows), :class:`Section` (the mixin that gives a frozen settings dataclass its ``RAYDECK_*``
 variable prefix, its raydeck.toml table and the error naming both), and converting between a
-field's type and what a variable or a TOML key holds (:func:`parse_value`,
-:func:`build_section`, :func:`format_value`). Does not own: which settings exist, their
-validation, or where and in which order they are read (:mod:`raydeck.config`).
+field's type and what a variable or a TOML key holds (:func:`build_section`,
+:func:`format_value`). Does not own: which settings exist, their validation, or where and in
+which order they are read (:mod:`raydeck.config`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Section:
     def _reject(self, name: str, rule: str) -> ConfigError:
         value = getattr(self, name)
         shown = ("<secret>" if isinstance(value, Secret)
-                 else shown_value(self.env_name(name), value))
+                 else _shown(self.env_name(name), value))
         return ConfigError(
             f"{self.env_name(name)} (raydeck.toml {self.toml_key(name)}) = {shown!r}: {rule}"
         )
@@ -60,14 +60,14 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
-def shown_value(variable: str, value: Any) -> Any:
+def _shown(variable: str, value: Any) -> Any:
     """``value`` of ``variable`` as an error may quote it: strings redacted, others as they are."""
     return redact_value(variable, value) if isinstance(value, str) else value
 
 
-def parse_value(section: type[Section], name: str, annotation: Any, raw: Any) -> Any:
+def _parse(section: type[Section], name: str, annotation: Any, raw: Any) -> Any:
     """Convert an env string or TOML value to the field's type, or raise naming the field."""
-    shown = shown_value(section.env_name(name), raw)
+    shown = _shown(section.env_name(name), raw)
     where = f"{section.env_name(name)} (raydeck.toml {section.toml_key(name)}) = {shown!r}"
     target = annotation
     try:
@@ -124,7 +124,7 @@ def build_section(
             continue
         var = section.env_name(f.name)
         if var in env:
-            values[f.name] = parse_value(section, f.name, hints[f.name], env[var])
+            values[f.name] = _parse(section, f.name, hints[f.name], env[var])
         elif f.name in table:
-            values[f.name] = parse_value(section, f.name, hints[f.name], table[f.name])
+            values[f.name] = _parse(section, f.name, hints[f.name], table[f.name])
     return section(**values)
