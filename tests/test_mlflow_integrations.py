@@ -155,6 +155,9 @@ def test_tune_mlflow_callback_and_setup_mlflow_in_an_asha_sweep(
 @pytest.mark.timeout(120)
 def test_mlflow_client_log_batch_from_ray_actors_lands_once(
         ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any) -> None:
+    """Ray actors write to the driver's run by id and live on: the driver's ``set_terminated``
+    ends the run at once with every point landed, and a write after the end lands in the
+    ended run without reopening it (as in plain MLflow)."""
     import ray
     from mlflow.tracking import MlflowClient
 
@@ -165,15 +168,23 @@ def test_mlflow_client_log_batch_from_ray_actors_lands_once(
     run_id = client.create_run(experiment_id, run_name="actors").info.run_id
     actor_class = ray.remote(num_cpus=0)(integrations.BatchLogger)
     actors = [actor_class.remote(uri) for _ in range(3)]
-    keys = [f"actor_{i}" for i in range(len(actors))]
-    ray.get([actor.log.remote(run_id, key) for actor, key in zip(actors, keys, strict=True)],
-            timeout=60)
-    del actors
-    client.set_terminated(run_id)
-    wait_until(lambda: mlflow_client.get_run(run_id).info.status == "FINISHED",
-               RUN_END_TIMEOUT_S, "the actors' run to end")
-    for key in keys:
-        _assert_once_each(mlflow_client, run_id, key, list(range(integrations.ACTOR_STEPS)))
+    try:
+        keys = [f"actor_{i}" for i in range(len(actors))]
+        ray.get([actor.log.remote(run_id, key) for actor, key in zip(actors, keys, strict=True)],
+                timeout=60)
+        client.set_terminated(run_id)
+        # Returned once MLflow showed the run ended, while its writers are alive.
+        assert mlflow_client.get_run(run_id).info.status == "FINISHED"
+        for key in keys:
+            _assert_once_each(mlflow_client, run_id, key, list(range(integrations.ACTOR_STEPS)))
+        ray.get(actors[0].log.remote(run_id, "late"), timeout=60)
+        wait_until(lambda: len(metric_steps(mlflow_client, run_id, "late"))
+                   >= integrations.ACTOR_STEPS, RUN_END_TIMEOUT_S, "the late write to land")
+        _assert_once_each(mlflow_client, run_id, "late", list(range(integrations.ACTOR_STEPS)))
+        assert mlflow_client.get_run(run_id).info.status == "FINISHED"
+    finally:
+        for actor in actors:
+            ray.kill(actor)
     assert [r.info.run_id for r in _runs(mlflow_client, experiment)] == [run_id]
 
 

@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from raydeck.config import load_settings
-from raydeck.tracking.messages import AttachRequest, ProcessInfo
-from raydeck.tracking.router import Control, ProxyConfig, RouterCore
+from raydeck.tracking.messages import AttachRequest, ProcessInfo, ProxyConfig
+from raydeck.tracking.outbox import Control
+from raydeck.tracking.router import RouterCore
 from raydeck.tracking.run_lookup import Lookup
 from raydeck.tracking_uri import unwrap_tracking_uri
 from tests.fixtures.mlflow_server import MlflowServer
@@ -162,18 +163,60 @@ def _train_worker(rank: int) -> AttachRequest:
                          run_key=None, run_name=None, experiment="Default", mode="rank_zero")
 
 
-def test_a_silent_rank_starting_late_does_not_reopen_the_ended_run() -> None:
-    # rank 1 of a rank_zero run may call mlflow.start_run() after rank 0 already ended the
-    # run (it imports slower): it gets the run's id, and the run stays ended.
-    sent: list[Control] = []
+def _router(sent: list[Control]) -> RouterCore:
+    """A router whose shards are ``sent``; MLflow knows every run id asked for, Ray every
+    process as alive."""
     config = ProxyConfig(namespace="test", tracking_uri="http://m", artifact_location="",
                          shards=1, writers=1, spool_dir="/nonexistent", fsync=False,
                          lost_after_s=60.0, idle_timeout_s=900.0, heartbeat_interval_s=5.0,
                          mlflow_timeout_s=20, retry_max_s=5.0)
-    router = RouterCore(config, sent.append, lambda key, experiment: Lookup(known=True),
-                        lambda everyone, quiet: set())
+    return RouterCore(config, sent.append,
+                      lambda key, experiment: Lookup(known=True, run_id=key),
+                      lambda everyone, quiet: set())
+
+
+def test_a_silent_rank_starting_late_does_not_reopen_the_ended_run() -> None:
+    # rank 1 of a rank_zero run may call mlflow.start_run() after rank 0 already ended the
+    # run (it imports slower): it gets the run's id, and the run stays ended.
+    sent: list[Control] = []
+    router = _router(sent)
     assert router.attach(_train_worker(0)).active
     assert router.detach("client-0", "FINISHED") == ["fit"]
     sent.clear()
     assert not router.attach(_train_worker(1)).active
     assert sent == []
+
+
+def _by_run_id(role: str, pid: int, run_id: str, guest: bool) -> AttachRequest:
+    process = ProcessInfo(role=role, role_key=f"{role}:job:{pid}", job_id="job",
+                          node_ip="10.0.0.1", hostname="node", pid=pid,
+                          actor_id="actor" if role == "task" else None)
+    return AttachRequest(client_id=f"client-{pid}", process=process, tracking_uri="http://m",
+                         run_key=run_id, run_name=None, experiment="Default", mode="rank_zero",
+                         guest=guest)
+
+
+@pytest.mark.timeout(10)
+def test_a_guest_writer_neither_holds_nor_reopens_nor_ends_its_run() -> None:
+    # The driver's run (an MLflow run id), written to by id from a live Ray actor: the driver's
+    # end ends it at once, the actor's later write does not reopen it, and the actor's own
+    # set_terminated ends only a run nobody holds.
+    sent: list[Control] = []
+    router = _router(sent)
+    run_id, unowned = "a" * 32, "b" * 32
+    assert router.attach(_by_run_id("driver", 1, run_id, guest=False)).is_primary
+    opened = list(sent)
+    guest = router.attach(_by_run_id("task", 2, run_id, guest=True))
+    assert guest.active and not guest.is_primary and guest.run_key == run_id
+    assert sent == opened  # the guest opened nothing
+    assert router.heartbeat(["client-2"]) == ["client-2"]  # and is no participant
+    assert router.end_unowned(run_id, "FINISHED") == []  # held by the driver
+    assert router.detach("client-1", "FINISHED") == [run_id]  # the guest is still alive
+    sent.clear()
+    assert router.attach(_by_run_id("task", 2, run_id, guest=True)).active
+    assert router.end_unowned(run_id, "KILLED") == []  # ended once
+    assert sent == []
+    assert [r["state"] for r in router.status()] == ["ended"]
+    assert router.attach(_by_run_id("task", 3, unowned, guest=True)).run_id == unowned
+    assert router.end_unowned(unowned, "FAILED") == [unowned]
+    assert [(c.run_key, c.kind, c.payload) for c in sent] == [(unowned, "end", "FAILED")]

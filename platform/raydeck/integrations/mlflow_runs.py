@@ -15,10 +15,13 @@ and the rule that decides what ``mlflow.start_run()`` (the store's ``create_run`
 - ``start_run(run_id=...)`` for a run id this process has not bound attaches to that existing
   MLflow run, as its own.
 - A write by id alone (``MlflowClient().log_batch(run_id, ...)`` in a Ray actor, say) to a run
-  this process neither created nor started is a guest write: it attaches to that run too, but
-  returns only once the proxy holds the values (spooled, durable), as plain MLflow returns only
-  once the server has them. Nothing ever ends a guest's part in the run, so its process may
-  exit (or be killed) right after the call; a buffer flushed later would be lost with it.
+  this process neither created nor started is a guest write
+  (:func:`~raydeck.tracking.attach.attach_guest`): it returns only once the proxy holds the
+  values (spooled, durable), as plain MLflow returns only once the server has them, and the
+  guest takes no part in the run's life: the run's owner ends it while the guest's process
+  lives on (a later guest write lands in the ended run, as in plain MLflow), and the guest's
+  process may exit or be killed right after any call. A guest's own ``set_terminated`` waits
+  until the run's data is in MLflow and ends the run only if no process holds it.
 
 Does not own the MLflow store interface (:mod:`raydeck.integrations.mlflow_store`) nor any
 delivery: writes go through :class:`~raydeck.tracking.Tracker`, the same client raydeck's own
@@ -43,7 +46,9 @@ from raydeck.cluster import connect
 from raydeck.config import Settings
 from raydeck.errors import TrackingUnavailableError, TrackingWriteError
 from raydeck.tracking import Tracker, get_tracker
+from raydeck.tracking.attach import attach_guest
 from raydeck.tracking.context import detect_process
+from raydeck.tracking.proxy import end_unowned_run
 
 logger = logging.getLogger(__name__)
 
@@ -106,17 +111,23 @@ class PluginRuns:
         with self._lock:
             tracker = self._trackers.get(run_id)
             if tracker is None:
-                tracker = self._trackers[run_id] = get_tracker(run_id, settings=self._settings)
+                tracker = self._trackers[run_id] = attach_guest(run_id, self._settings)
                 self._guest_run_ids.add(run_id)
             return tracker
 
     def start(self, run_id: str) -> Tracker:
         """The tracker for ``run_id``, which this process started (``start_run``) or resumed
-        (``start_run(run_id=...)``): its writes are buffered, and ``end`` waits for them."""
-        tracker = self.tracker(run_id)
+        (``start_run(run_id=...)``): a participant of the run, its writes buffered, and ``end``
+        waits for them. A guest tracker this process had for the run leaves it first (its
+        writes are in the proxy already)."""
         with self._lock:
-            self._guest_run_ids.discard(run_id)
-        return tracker
+            tracker = self._trackers.get(run_id)
+            if tracker is None or run_id in self._guest_run_ids:
+                self._guest_run_ids.discard(run_id)
+                if tracker is not None:
+                    tracker.finish(wait=False)
+                tracker = self._trackers[run_id] = get_tracker(run_id, settings=self._settings)
+            return tracker
 
     def write(self, run_id: str, write: Callable[[Tracker], None]) -> None:
         """Apply ``write`` to ``run_id``'s tracker; a guest write returns once the proxy holds
@@ -135,16 +146,27 @@ class PluginRuns:
         dead letters: logged, recorded on the run, never raised into the caller's ``end_run``.
         Returns whether everything landed (False: MLflow did not take it all in time).
 
+        In a process that only wrote to the run as a guest (or not at all) this waits the same
+        way, but ends the run only if no process holds it (its owner ends it otherwise).
+
         Raises:
             MlflowException: the proxy could not be reached to take the last data.
         """
         with self._lock:
             tracker = self._trackers.pop(run_id, None)
+            guest = run_id in self._guest_run_ids
             self._guest_run_ids.discard(run_id)
-        if tracker is None:
-            tracker = get_tracker(run_id, settings=self._settings)
         try:
-            return tracker.finish(status).landed
+            if tracker is not None and not guest:
+                return tracker.finish(status).landed
+            # A process that only wrote to the run (or not even that): its writes are in the
+            # proxy; the run's owner ends the run, this only if no process holds it.
+            tracker = tracker or attach_guest(run_id, self._settings)
+            tracker.finish(status)
+            if not tracker.active:
+                return True
+            return end_unowned_run(self._settings, tracker.run_key, status,
+                                   self._settings.tracking.finish_timeout_s)
         except TrackingWriteError as exc:
             logger.warning("%s", exc)
             return True

@@ -4,9 +4,10 @@ Public surface: :func:`get_tracker`, :class:`Tracker`, :class:`NoOpTracker`. The
 it, worker side: ``attach`` (``get_tracker``), ``tracker`` (the MLflow-like API), ``delivery``
 (bounded buffer, flusher, heartbeats), ``lifecycle`` (exit, signals, Ray Train hand-off),
 ``console``, ``system_metrics``, ``artifacts``, ``repro``, ``validation``, ``modes``; proxy
-side: ``proxy`` (actor names and life), ``router`` (run membership), ``shard`` (per-run queues
-and MLflow writes), ``spool`` (SQLite durability), ``writer`` (MLflow calls and the failure
-policy), ``metrics``; ``messages`` is what travels between them. ``docs/tracking-contract.md``
+side: ``proxy`` (actor names and life), ``router`` (run membership; ``outbox``: its updates to
+the shards), ``shard`` (per-run queues and MLflow writes), ``spool`` (SQLite durability),
+``writer`` (MLflow calls and the failure policy), ``metrics``; ``messages`` is what travels
+between them. ``docs/tracking-contract.md``
 says what each fault does to a run's data.
 """
 

@@ -19,6 +19,7 @@ within :data:`ATTACH_TIMEOUT_S`, the tracker buffers and attaches in the backgro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -110,6 +111,43 @@ def get_tracker(
         tags = {**(tags or {}), JOB_DIGEST_TAG: digest}
     if tags:
         tracker.set_tags(tags)
+    return tracker
+
+
+def attach_guest(run_id: str, settings: Settings) -> Tracker:
+    """A tracker that writes to the existing run ``run_id`` as a guest, for a process that
+    only writes to it by id (``MlflowClient().log_batch(run_id, ...)`` in a Ray actor).
+
+    A guest takes no part in the run's life (``AttachRequest.guest``): the run's owner ends it
+    whether the guest's process lives on or not, and a write after the end lands in the ended
+    run, as in plain MLflow. So the caller hands each write to the proxy before returning
+    (``flush``). A guest carries only what is written through it: no console capture, no system
+    metrics (they would go on landing in the run after its end). At exit its trackers are
+    handed over and stopped like any other; never ended.
+
+    Raises:
+        ConfigError: the router refused ``run_id`` (a bad key, an MLflow run id with no run).
+    """
+    if not settings.tracking.enabled:
+        return NoOpTracker()
+    connect(settings)
+    process = detect_process()
+    request = AttachRequest(
+        client_id=uuid.uuid4().hex, process=process, tracking_uri=settings.tracking.uri,
+        run_key=run_id, run_name=None, experiment=settings.tracking.experiment,
+        mode=settings.tracking.mode, guest=True)
+    binding = _first_binding(settings, request)
+    tracker: Tracker
+    if binding is not None and not binding.active:
+        tracker = NoOpTracker(binding, process)
+    else:
+        quiet = dataclasses.replace(settings.tracking, capture_logs=False,
+                                    system_metrics_interval_s=0.0)
+        tracker = Tracker(dataclasses.replace(settings, tracking=quiet), process, request,
+                          binding)
+    with lifecycle.lock:
+        lifecycle.register(tracker, run_id, None, None, lifecycle.GUEST_SCOPE)
+    lifecycle.install_hooks(in_main_thread_driver=False)
     return tracker
 
 

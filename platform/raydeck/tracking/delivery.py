@@ -117,10 +117,12 @@ class Delivery:
         self._thread = threading.Thread(target=self._flush_forever, daemon=True,
                                         name=f"raydeck-tracker-{request.client_id[:8]}")
         self._thread.start()
-        self._heartbeat_thread = threading.Thread(
+        # A guest is no participant of its run: nothing to keep alive, nothing to leave.
+        self._heartbeat_thread = None if request.guest else threading.Thread(
             target=self._heartbeat_forever, daemon=True,
             name=f"raydeck-heartbeat-{request.client_id[:8]}")
-        self._heartbeat_thread.start()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.start()
 
     # --- binding ------------------------------------------------------------------------------
     @property
@@ -444,7 +446,9 @@ class Delivery:
 
     def detach(self, status: str, deadline: float) -> list[str]:
         """Leave the run; returns the keys of runs this ended. Retries until ``deadline``
-        (the router presumes this process gone otherwise)."""
+        (the router presumes this process gone otherwise). A guest has nothing to leave."""
+        if self._request.guest:
+            return []
         while True:
             try:
                 ended: list[str] | None = ray.get(
@@ -480,7 +484,7 @@ class Delivery:
         self.stop()
         current = threading.current_thread()
         for thread in (self._thread, self._heartbeat_thread):
-            if thread is not current:
+            if thread is not None and thread is not current:
                 thread.join(timeout=5)
         with contextlib.suppress(OSError):
             shutil.rmtree(self._staging, ignore_errors=True)

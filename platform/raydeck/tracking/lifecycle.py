@@ -39,6 +39,9 @@ SIGNAL_EXIT_GRACE_S = 10.0
 # Between two hand-over attempts at exit.
 SIGNAL_RETRY_PAUSE_S = 0.2
 TRAIN_HANDOFF_TIMEOUT_S = 4.0
+# The scope of a guest's tracker (a process that only writes to a run by id): handed over and
+# stopped at exit like the others, never what ``get_tracker`` finds.
+GUEST_SCOPE = "guest"
 
 
 class LiveTracker(Protocol):
@@ -95,6 +98,8 @@ def find(key: str | None, run_name: str | None, parent: str | None, scope: str
     """
     with lock:
         for entry in reversed(_entries):
+            if entry.scope == GUEST_SCOPE:
+                continue
             if key is not None:
                 if parent == entry.parent and key in (entry.key, entry.tracker.run_key):
                     return entry.tracker

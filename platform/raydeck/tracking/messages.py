@@ -49,7 +49,12 @@ class ProcessInfo:
 
 @dataclass(frozen=True)
 class AttachRequest:
-    """A tracker asking the router for the run it should write to."""
+    """A tracker asking the router for the run it should write to.
+
+    ``guest``: the process only writes to an existing run by its id (``run_key``) and takes no
+    part in its life: it never becomes primary, never holds the run open nor reopens it, and
+    sends no heartbeats; each of its writes is handed to the proxy before the call returns.
+    """
 
     client_id: str
     process: ProcessInfo
@@ -60,6 +65,7 @@ class AttachRequest:
     mode: str
     parent_key: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
+    guest: bool = False
 
 
 @dataclass(frozen=True)
@@ -234,6 +240,29 @@ class ShardConfig:
     mlflow_timeout_s: int
     retry_max_s: float
     env: dict[str, str] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    """Everything the proxy actors need, fixed by the process that first creates them.
+
+    ``tracking_uri`` may hold credentials: it reaches the actors as a constructor argument,
+    never through a runtime env or a log line (``repr`` hides it).
+    """
+
+    namespace: str
+    tracking_uri: str = field(repr=False)
+    artifact_location: str
+    shards: int
+    writers: int
+    spool_dir: str
+    fsync: bool
+    lost_after_s: float
+    idle_timeout_s: float
+    heartbeat_interval_s: float
+    mlflow_timeout_s: int
+    retry_max_s: float
+    env: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass(frozen=True)

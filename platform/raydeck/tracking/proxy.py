@@ -24,13 +24,9 @@ import ray
 from raydeck.config import Settings
 from raydeck.errors import TrackingUnavailableError
 from raydeck.tracking.liveness import ray_liveness
-from raydeck.tracking.messages import AttachRequest, RunBinding, ShardConfig
-from raydeck.tracking.router import (
-    REAP_INTERVAL_S,
-    Control,
-    ProxyConfig,
-    RouterCore,
-)
+from raydeck.tracking.messages import AttachRequest, ProxyConfig, RunBinding, ShardConfig
+from raydeck.tracking.outbox import Control
+from raydeck.tracking.router import REAP_INTERVAL_S, RouterCore
 from raydeck.tracking.run_lookup import MlflowLookup
 from raydeck.tracking.shard_actor import Shard
 
@@ -146,6 +142,10 @@ class Router:
         return self.core.end_run(key, status, tags)
 
     @ray.method(concurrency_group="io")
+    def end_unowned(self, key: str, status: str) -> list[str]:
+        return self.core.end_unowned(key, status)
+
+    @ray.method(concurrency_group="io")
     def shard_of(self, run_key: str) -> int:
         return self.core.shard_of(run_key)
 
@@ -158,7 +158,7 @@ class Router:
                    for key, run_id in shard.get("run_ids", {}).items()}
         runs = [{**run, "run_id": run["run_id"] or created.get(run["key"], "")}
                 for run in self.core.status()]
-        return {"runs": runs, "shards": shards, "outbox": self.core.outbox_size()}
+        return {"runs": runs, "shards": shards, "outbox": self.core.outbox.size()}
 
     def _shard_stats(self) -> list[dict[str, Any]]:
         refs = [shard.stats.remote() for shard in self.shards]
@@ -171,7 +171,7 @@ class Router:
         return stats
 
     def _drained(self) -> bool:
-        return self.core.outbox_size() == 0 and all(
+        return self.core.outbox.size() == 0 and all(
             s.get("queued_entities") == 0 for s in self._shard_stats())
 
     @ray.method(concurrency_group="wait")
@@ -185,7 +185,7 @@ class Router:
         drained = self._drained()
         while not drained and time.monotonic() < deadline:
             time.sleep(0.5)
-            self.core.retry_outbox()
+            self.core.outbox.retry()
             drained = self._drained()
         self._stop_all()
         return drained
@@ -273,3 +273,23 @@ def wait_runs_landed(namespace: str, run_keys: list[str], timeout_s: float) -> b
         if not report.landed:
             return False
     return True
+
+
+def end_unowned_run(settings: Settings, run_key: str, status: str, timeout_s: float) -> bool:
+    """A guest's end of run ``run_key`` (see :meth:`RouterCore.end_unowned`): ends it with
+    ``status`` if no process holds it, then waits up to ``timeout_s`` until the run's data (and
+    the end, if this ended it) is in MLflow. True when it all landed.
+
+    Raises:
+        TrackingUnavailableError: the proxy did not answer.
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        ended = ray.get(get_router(settings).end_unowned.remote(run_key, status),
+                        timeout=timeout_s)
+    except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError) as exc:
+        raise TrackingUnavailableError(
+            f"tracking proxy did not take the end of run {run_key} ({type(exc).__name__})"
+        ) from None
+    keys = sorted({run_key, *ended})
+    return wait_runs_landed(settings.ray_namespace, keys, max(1.0, deadline - time.monotonic()))

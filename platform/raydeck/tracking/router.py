@@ -5,9 +5,9 @@ runs, knowing which processes take part in each run and which one is primary, de
 run ends (its primary finished and every other participant left; ``KILLED`` when its processes
 died), and stopping the proxy after a quiet period. Does not own: any MLflow write. Creating,
 reopening and ending a run are *entities* the router hands to the run's shard (:class:`OpenRun`,
-``end``), which writes them in order with the run's data, when MLflow answers. So attaching works
-while MLflow is down or slow, and no MLflow call ever runs under the router's lock (a slow server
-never delays a heartbeat).
+``end``, through :mod:`~raydeck.tracking.outbox`), which writes them in order with the run's
+data, when MLflow answers. So attaching works while MLflow is down or slow, and no MLflow call
+ever runs under the router's lock (a slow server never delays a heartbeat).
 
 State kept here is soft: a restarted router rebuilds a run from MLflow (the ``raydeck.run_key``
 tag) when a tracker re-attaches, and trackers re-attach when a heartbeat is not recognised.
@@ -18,6 +18,10 @@ Rules:
 - Primary: the first driver/rank-0/trial process attached to a run with no live primary. A
   restarted process (same ``role_key``) replaces its predecessor, primary role included.
 - End: when the primary has finished (its status is used) and no participant is left.
+- Guests (a process that only writes to a run by its id, ``AttachRequest.guest``) are not
+  participants: they get the run's binding and write through its shard, but never hold the run
+  open, reopen it or end it by leaving. A guest's explicit end (``end_unowned``) ends only a
+  run that no process holds.
 - Liveness, from Ray itself: a participant is gone when its Ray job ended, or when it is an
   actor Ray reports dead. A participant whose heartbeats stopped is asked about after two missed
   beats; one Ray cannot vouch for (a plain task) is presumed dead after ``lost_after_s`` of
@@ -38,7 +42,14 @@ from typing import Any
 from raydeck.config import RUN_KEY_PATTERN
 from raydeck.errors import ConfigError
 from raydeck.redaction import redact_text
-from raydeck.tracking.messages import AttachRequest, OpenRun, ProcessInfo, RunBinding
+from raydeck.tracking.messages import (
+    AttachRequest,
+    OpenRun,
+    ProcessInfo,
+    ProxyConfig,
+    RunBinding,
+)
+from raydeck.tracking.outbox import Control, Outbox, Sender
 from raydeck.tracking.run_lookup import Lookup, looks_like_run_id
 
 logger = logging.getLogger(__name__)
@@ -47,29 +58,6 @@ REAP_INTERVAL_S = 1.0
 # A participant silent for this many heartbeat intervals is a suspect: Ray is asked about it.
 SUSPECT_AFTER_BEATS = 2.5
 RANK_TAGS = ("raydeck.rank", "raydeck.node", "raydeck.role")
-
-
-@dataclass(frozen=True)
-class ProxyConfig:
-    """Everything the proxy actors need, fixed by the process that first creates them.
-
-    ``tracking_uri`` may hold credentials: it reaches the actors as a constructor argument,
-    never through a runtime env or a log line (``repr`` hides it).
-    """
-
-    namespace: str
-    tracking_uri: str = field(repr=False)
-    artifact_location: str
-    shards: int
-    writers: int
-    spool_dir: str
-    fsync: bool
-    lost_after_s: float
-    idle_timeout_s: float
-    heartbeat_interval_s: float
-    mlflow_timeout_s: int
-    retry_max_s: float
-    env: dict[str, str] = field(default_factory=dict, repr=False)
 
 
 @dataclass
@@ -102,17 +90,6 @@ class _Run:
     terminated: bool = False
 
 
-@dataclass(frozen=True)
-class Control:
-    """A run update for a shard: ``open`` (an :class:`OpenRun`), ``tags`` or ``end``."""
-
-    shard_index: int
-    run_key: str
-    kind: str
-    payload: Any
-
-
-Sender = Callable[[Control], None]
 # (every participant, those whose heartbeats stopped) -> role keys Ray says are gone.
 Liveness = Callable[[list[ProcessInfo], list[ProcessInfo]], set[str]]
 
@@ -123,7 +100,7 @@ class RouterCore:
     def __init__(self, config: ProxyConfig, send: Sender, lookup: Callable[[str, str], Lookup],
                  gone: Liveness) -> None:
         self.config = config
-        self._send = send
+        self.outbox = Outbox(send)
         self._lookup = lookup
         self._gone = gone
         self._lock = threading.RLock()
@@ -132,8 +109,6 @@ class RouterCore:
         self._by_client: dict[str, str] = {}
         # Clients whose part end_run ended for them: their own detach has nothing left to do.
         self._released: set[str] = set()
-        self._outbox: list[Control] = []
-        self._outbox_lock = threading.Lock()
         self._idle_since: float | None = time.monotonic()
         self.active_runs = 0
 
@@ -170,9 +145,15 @@ class RouterCore:
                     f"{redact_text(self.config.tracking_uri)} has no such run; pass an existing "
                     "run id, or a name of your own (letters, digits, _ . -) to create a shared "
                     "run")
+            if request.guest:
+                # A guest of a run this router does not hold: nothing to join or open; the
+                # run's shard finds the run in MLflow for the guest's writes.
+                return self._guest_binding(_run_record(key, request, found), request)
             with self._lock:
                 run = self._runs.get(key) or self._new_run(key, request, found)
         with self._lock:
+            if request.guest:
+                return self._guest_binding(run, request)
             if process.train_run_name and process.train_run_name != key:
                 self._aliases[process.train_run_name] = key
             # Logging after the end reopens the run (the next finish ends it again), but a rank
@@ -189,7 +170,7 @@ class RouterCore:
             if child_open is not None:
                 controls.append(child_open)
             self._idle_since = None
-        self._deliver(controls)
+        self.outbox.deliver(controls)
         return binding
 
     def _resolve_key(self, request: AttachRequest) -> str:
@@ -212,17 +193,14 @@ class RouterCore:
         return f"run-{uuid.uuid4().hex[:12]}"
 
     def _new_run(self, key: str, request: AttachRequest, found: Lookup) -> _Run:
-        existed = found.known and bool(found.run_id)
-        run = _Run(
-            key=key, name=(found.name if existed else "") or request.run_name or key,
-            experiment=request.experiment,
-            mode=(found.mode if existed else "") or request.mode,
-            created_by_role=request.process.role, job_id=request.process.job_id,
-            run_id=found.run_id, existed=existed, params=dict(found.params),
-            parent_key=request.parent_key,
-        )
-        self._runs[key] = run
+        run = self._runs[key] = _run_record(key, request, found)
         return run
+
+    def _guest_binding(self, run: _Run, request: AttachRequest) -> RunBinding:
+        """A guest's binding: the run's, as a process that is not a participant sees it (a
+        silent rank of a ``rank_zero`` run writes nothing, as a participant would)."""
+        silent = run.mode == "rank_zero" and not request.process.is_primary_candidate
+        return self._binding(run, request, active=not silent)
 
     def _open_controls(self, run: _Run) -> list[Control]:
         if not run.needs_open:
@@ -276,7 +254,7 @@ class RouterCore:
         process = request.process
         run_key = run.key
         sample_system = False
-        if active:
+        if active and not request.guest:
             if run.mode == "per_rank" and process.world_rank is not None:
                 run_key = f"{run.key}.rank_{process.world_rank}"
             sampler = run.samplers.get(process.node_ip)
@@ -331,7 +309,7 @@ class RouterCore:
                 return None
             controls = self._drop(run, client_id, status=status)
             controls += self._maybe_end(run)
-        self._deliver(controls)
+        self.outbox.deliver(controls)
         return [c.run_key for c in controls if c.kind == "end"]
 
     def end_run(self, key: str, status: str, tags: dict[str, str]) -> bool:
@@ -351,8 +329,26 @@ class RouterCore:
                 self._released.add(client_id)
             run.primary_status = status
             controls += self._maybe_end(run)
-        self._deliver(controls)
+        self.outbox.deliver(controls)
         return True
+
+    def end_unowned(self, key: str, status: str) -> list[str]:
+        """A guest's explicit end (``MlflowClient().set_terminated`` in a process that only
+        wrote to the run): ends the run with ``status`` only if no process holds it (no
+        participant, not ended here yet), as plain MLflow would; a run with participants is
+        ended by its primary, and an ended one is not ended twice. Returns the keys this
+        ended. The guest handed its writes to the shard first, so the end follows them.
+        """
+        _check_status(status)
+        with self._lock:
+            run = self._runs.get(key)
+            if run is not None:
+                if run.participants or run.terminated:
+                    return []
+                run.terminated = True
+                run.primary_status = status
+        self.outbox.deliver([Control(self.shard_of(key), key, "end", status)])
+        return [key]
 
     def _drop(self, run: _Run, client_id: str, status: str = "KILLED",
               replaced: bool = False) -> list[Control]:
@@ -376,41 +372,6 @@ class RouterCore:
         run.terminated = True
         logger.info("run %s ends as %s", run.key, run.primary_status)
         return [Control(self.shard_of(run.key), run.key, "end", run.primary_status)]
-
-    # --- delivery to shards (never under the lock) ----------------------------------------------
-    def _deliver(self, controls: list[Control]) -> None:
-        """Send run updates to their shards; what cannot be sent now waits in the outbox.
-
-        Updates of one run keep their order: while any wait, later ones queue behind them.
-        """
-        with self._outbox_lock:
-            waiting = {c.run_key for c in self._outbox}
-            for control in controls:
-                if control.run_key in waiting:
-                    self._outbox.append(control)
-                    continue
-                try:
-                    self._send(control)
-                except Exception as exc:
-                    logger.warning("shard %d unreachable (%s); run %s's %s waits in the outbox",
-                                   control.shard_index, type(exc).__name__, control.run_key,
-                                   control.kind)
-                    self._outbox.append(control)
-                    waiting.add(control.run_key)
-
-    def retry_outbox(self) -> None:
-        with self._outbox_lock:
-            pending, self._outbox = self._outbox, []
-            failed_runs: set[str] = set()
-            for control in pending:
-                if control.run_key in failed_runs:
-                    self._outbox.append(control)
-                    continue
-                try:
-                    self._send(control)
-                except Exception:
-                    self._outbox.append(control)
-                    failed_runs.add(control.run_key)
 
     # --- liveness ----------------------------------------------------------------------------
     def reap(self) -> bool:
@@ -444,9 +405,9 @@ class RouterCore:
                 self._idle_since = now
             idle = self._idle_since is not None and now - self._idle_since > (
                 self.config.idle_timeout_s)
-        self._deliver(controls)
-        self.retry_outbox()
-        return idle and not self._outbox
+        self.outbox.deliver(controls)
+        self.outbox.retry()
+        return idle and not self.outbox.size()
 
     def status(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -461,9 +422,17 @@ class RouterCore:
                 for run in self._runs.values()
             ]
 
-    def outbox_size(self) -> int:
-        with self._outbox_lock:
-            return len(self._outbox)
+
+def _run_record(key: str, request: AttachRequest, found: Lookup) -> _Run:
+    """The router's record of a run it did not hold, from what MLflow said about ``key``."""
+    existed = found.known and bool(found.run_id)
+    return _Run(
+        key=key, name=(found.name if existed else "") or request.run_name or key,
+        experiment=request.experiment, mode=(found.mode if existed else "") or request.mode,
+        created_by_role=request.process.role, job_id=request.process.job_id,
+        run_id=found.run_id, existed=existed, params=dict(found.params),
+        parent_key=request.parent_key,
+    )
 
 
 def _check_status(status: str) -> None:

@@ -398,7 +398,9 @@ class Tracker(StepPolicy, ArtifactLogging, ResumeHelpers):
         still pending then stays in the shard's spool and lands when MLflow is back: the returned
         report, and a warning, say exactly what is pending. With ``wait=False`` it returns once
         the proxy holds everything (spooled, durable). A finish that raised stays unfinished: a
-        second call (or the process's exit) tries again.
+        second call (or the process's exit) tries again. A guest's tracker
+        (:func:`~raydeck.tracking.attach.attach_guest`) only hands its data over: it ends
+        nothing and never waits for MLflow.
 
         Raises:
             TrackingUnavailableError: the proxy could not be reached to take the last data.
@@ -407,6 +409,8 @@ class Tracker(StepPolicy, ArtifactLogging, ResumeHelpers):
         """
         if self._finished:
             return self._report or LandedReport(True, Pending())
+        # A guest's part is in the proxy once flushed; it ends nothing, so it waits for no one.
+        wait = wait and not self._request.guest
         timeout_s = timeout_s or self._settings.tracking.finish_timeout_s
         deadline = time.monotonic() + timeout_s
         for stream in (sys.stdout, sys.stderr):
