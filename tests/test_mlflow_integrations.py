@@ -120,13 +120,18 @@ def test_lightning_mlflow_logger_in_a_ray_train_job_keeps_every_step_while_mlflo
 def test_tune_mlflow_callback_and_setup_mlflow_in_an_asha_sweep(
         ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any,
         tmp_path: Path) -> None:
+    """A plain Tuner driver, nothing of raydeck imported; its environment names raydeck's Tune
+    callback (as raydeck's own drivers and jobs do), so each trial's own run ends with the
+    trial's outcome."""
+    from raydeck.cluster import RAY_TUNE_CALLBACKS_ENV, TUNE_OUTCOME_CALLBACK
+
     experiment = f"tune-{uuid.uuid4().hex[:6]}"
     proc = driver_process("\n".join([
         "import runpy, sys",
         f"sys.argv = ['x', 'sweep', 'raydeck+{mlflow_server.uri}', '{experiment}', "
         f"'{tmp_path}']",
         "runpy.run_module('tests.fixtures.mlflow_integrations', run_name='__main__')",
-    ]))
+    ]), env={RAY_TUNE_CALLBACKS_ENV: TUNE_OUTCOME_CALLBACK})
     trials = json.loads(read_line_with(proc, "RESULT"))
     assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:] if proc.stderr else ""
     assert len(trials) == 2
@@ -147,9 +152,11 @@ def test_tune_mlflow_callback_and_setup_mlflow_in_an_asha_sweep(
         _assert_once_each(mlflow_client, trial_run.info.run_id, "trial_loss",
                           list(range(iterations)))
         # Nothing in the trial ends setup_mlflow's run (plain MLflow leaves it RUNNING): raydeck
-        # ends it when Tune stops the trial's process.
+        # ends it with the outcome Tune reported (ASHA's stop or the function's return) once
+        # Tune stopped the trial's process.
         wait_until(lambda r=trial_run: mlflow_client.get_run(r.info.run_id).info.status
-                   == "KILLED", RUN_END_TIMEOUT_S, "the trial's run to end")
+                   != "RUNNING", RUN_END_TIMEOUT_S, "the trial's run to end")
+        assert mlflow_client.get_run(trial_run.info.run_id).info.status == "FINISHED"
 
 
 @pytest.mark.timeout(120)

@@ -163,16 +163,16 @@ def _train_worker(rank: int) -> AttachRequest:
                          run_key=None, run_name=None, experiment="Default", mode="rank_zero")
 
 
-def _router(sent: list[Control]) -> RouterCore:
-    """A router whose shards are ``sent``; MLflow knows every run id asked for, Ray every
-    process as alive."""
+def _router(sent: list[Control], gone: set[str] | None = None) -> RouterCore:
+    """A router whose shards are ``sent``; MLflow knows every run id asked for, Ray reports
+    the processes of role keys in ``gone`` dead (none by default)."""
     config = ProxyConfig(namespace="test", tracking_uri="http://m", artifact_location="",
                          shards=1, writers=1, spool_dir="/nonexistent", fsync=False,
                          lost_after_s=60.0, idle_timeout_s=900.0, heartbeat_interval_s=5.0,
                          mlflow_timeout_s=20, retry_max_s=5.0)
     return RouterCore(config, sent.append,
                       lambda key, experiment: Lookup(known=True, run_id=key),
-                      lambda everyone, quiet: set())
+                      lambda everyone, quiet: set(gone or ()))
 
 
 def test_a_silent_rank_starting_late_does_not_reopen_the_ended_run() -> None:
@@ -220,3 +220,31 @@ def test_a_guest_writer_neither_holds_nor_reopens_nor_ends_its_run() -> None:
     assert router.attach(_by_run_id("task", 3, unowned, guest=True)).run_id == unowned
     assert router.end_unowned(unowned, "FAILED") == [unowned]
     assert [(c.run_key, c.kind, c.payload) for c in sent] == [(unowned, "end", "FAILED")]
+
+
+@pytest.mark.timeout(10)
+def test_a_stopped_plain_trials_run_ends_with_the_outcome_tune_reported() -> None:
+    # Tune stops a trial's process with no exit hook in it; its driver callback reports the
+    # outcome first (raydeck.tracking.tune_outcome). A sweep's child runs (with a parent) are
+    # the sweep's to end; a status the trial gave itself wins; no word from Tune is KILLED.
+    sent: list[Control] = []
+    gone: set[str] = set()
+    router = _router(sent, gone)
+    trials = {"returned": ("FINISHED", None), "raised": ("FAILED", None), "silent": (None, None),
+              "child": ("FINISHED", "sweep"), "ended": ("FINISHED", None)}
+    for trial_id, (_, parent) in trials.items():
+        process = ProcessInfo(role="trial", role_key=f"trial:{trial_id}", job_id="job",
+                              node_ip="10.0.0.1", hostname="node", pid=1, trial_id=trial_id,
+                              actor_id=trial_id)
+        assert router.attach(AttachRequest(
+            client_id=trial_id, process=process, tracking_uri="http://m", run_key=trial_id,
+            run_name=None, experiment="Default", mode="rank_zero", parent_key=parent)).is_primary
+    for trial_id, (outcome, parent) in trials.items():
+        if outcome:
+            assert router.set_trial_outcome(trial_id, outcome) == ([] if parent else [trial_id])
+    assert router.detach("ended", "FAILED") == ["ended"]
+    gone.update(f"trial:{trial_id}" for trial_id in trials)
+    router.reap()
+    ends = {c.run_key: c.payload for c in sent if c.kind == "end"}
+    assert ends == {"returned": "FINISHED", "raised": "FAILED", "silent": "KILLED",
+                    "child": "KILLED", "ended": "FAILED"}

@@ -32,6 +32,9 @@ TRAIN_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 RAY_TRAIN_CALLBACKS_ENV = "RAY_TRAIN_CALLBACKS"
 # Hands a Train worker's tracking data to the proxy before Ray Train kills the worker.
 TRAIN_HANDOFF_CALLBACK = "raydeck.tracking.train_handoff.TrainWorkerHandoff"
+RAY_TUNE_CALLBACKS_ENV = "RAY_TUNE_CALLBACKS"
+# Tells the proxy how each plain Tune trial ended, so its run ends with that status.
+TUNE_OUTCOME_CALLBACK = "raydeck.tracking.tune_outcome.TrialOutcome"
 
 PROBE_TIMEOUT_S = 3.0
 
@@ -53,12 +56,20 @@ def unreachable_reason(address: str) -> str | None:
         return f"{type(exc).__name__}: {exc.strerror or exc}"
 
 
-def train_callbacks_env(current: str | None) -> str:
-    """``RAY_TRAIN_CALLBACKS`` with raydeck's hand-off callback added once."""
+def callbacks_env(current: str | None, callback: str) -> str:
+    """A comma-separated list of callbacks (``RAY_TRAIN_CALLBACKS``, ``RAY_TUNE_CALLBACKS``)
+    with ``callback`` added once."""
     names = [name.strip() for name in (current or "").split(",") if name.strip()]
-    if TRAIN_HANDOFF_CALLBACK not in names:
-        names.append(TRAIN_HANDOFF_CALLBACK)
+    if callback not in names:
+        names.append(callback)
     return ",".join(names)
+
+
+def _raydeck_callbacks() -> dict[str, str]:
+    """The Ray Train and Ray Tune callback variables with raydeck's callbacks added."""
+    return {name: callbacks_env(os.environ.get(name), callback) for name, callback in (
+        (RAY_TRAIN_CALLBACKS_ENV, TRAIN_HANDOFF_CALLBACK),
+        (RAY_TUNE_CALLBACKS_ENV, TUNE_OUTCOME_CALLBACK))}
 
 
 def job_runtime_env(settings: Settings, extra: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -76,8 +87,9 @@ def job_runtime_env(settings: Settings, extra: dict[str, Any] | None = None) -> 
     # (measured: the demo's 10 epochs took 16 s longer). A value the user set wins.
     env_vars[TRAIN_POLL_ENV] = os.environ.get(TRAIN_POLL_ENV, str(settings.train_poll_interval_s))
     # Every TorchTrainer of the job (the user's own RunConfig too) gets raydeck's worker callback
-    # that hands a worker's tracking data to the proxy before Ray Train kills the worker.
-    env_vars[RAY_TRAIN_CALLBACKS_ENV] = train_callbacks_env(os.environ.get(RAY_TRAIN_CALLBACKS_ENV))
+    # that hands a worker's tracking data to the proxy before Ray Train kills the worker, and
+    # every Tuner the one that reports each trial's outcome to the proxy.
+    env_vars.update(_raydeck_callbacks())
     runtime_env: dict[str, Any] = dict(extra or {})
     runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
     return runtime_env
@@ -155,9 +167,8 @@ def connect(
     import ray
 
     settings = settings or load_settings()
-    # The driver builds its TorchTrainers' callbacks from its own environment.
-    os.environ[RAY_TRAIN_CALLBACKS_ENV] = train_callbacks_env(
-        os.environ.get(RAY_TRAIN_CALLBACKS_ENV))
+    # The driver builds its TorchTrainers' and Tuners' callbacks from its own environment.
+    os.environ.update(_raydeck_callbacks())
     if ray.is_initialized():
         return settings
     address = settings.ray_address or None

@@ -146,6 +146,10 @@ class Router:
         return self.core.end_unowned(key, status)
 
     @ray.method(concurrency_group="io")
+    def set_trial_outcome(self, trial_id: str, status: str) -> list[str]:
+        return self.core.set_trial_outcome(trial_id, status)
+
+    @ray.method(concurrency_group="io")
     def shard_of(self, run_key: str) -> int:
         return self.core.shard_of(run_key)
 

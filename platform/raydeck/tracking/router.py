@@ -17,7 +17,9 @@ Rules:
   job has exactly one run created by its driver, which then gets bound) > a new key.
 - Primary: the first driver/rank-0/trial process attached to a run with no live primary. A
   restarted process (same ``role_key``) replaces its predecessor, primary role included.
-- End: when the primary has finished (its status is used) and no participant is left.
+- End: when the primary has finished (its status is used) and no participant is left. A
+  primary that died ends its run ``KILLED``, unless it was a plain Tune trial whose outcome
+  Tune reported (``set_trial_outcome``).
 - Guests (a process that only writes to a run by its id, ``AttachRequest.guest``) are not
   participants: they get the run's binding and write through its shard, but never hold the run
   open, reopen it or end it by leaving. A guest's explicit end (``end_unowned``) ends only a
@@ -88,6 +90,9 @@ class _Run:
     children: dict[int, bool] = field(default_factory=dict)  # rank -> open in MLflow
     samplers: dict[str, str] = field(default_factory=dict)
     terminated: bool = False
+    # How a plain Tune trial ended, as Tune said (``set_trial_outcome``): the status for a
+    # primary that is then stopped without leaving (no exit hook runs in a stopped trial).
+    outcome: str | None = None
 
 
 # (every participant, those whose heartbeats stopped) -> role keys Ray says are gone.
@@ -165,6 +170,7 @@ class RouterCore:
                 run.needs_open = True
                 run.primary = None
                 run.primary_status = None
+                run.outcome = None
             controls = self._open_controls(run)
             binding, child_open = self._join(run, request)
             if child_open is not None:
@@ -366,12 +372,35 @@ class RouterCore:
                 run.primary_status = status
         return controls
 
+    def set_trial_outcome(self, trial_id: str, status: str) -> list[str]:
+        """Tune's word on how a trial ended (FINISHED: its function returned or the scheduler
+        stopped it; FAILED: it raised), from the driver's Tune callback
+        (:mod:`raydeck.tracking.tune_outcome`). The runs that trial's process owns and no sweep
+        supervises (no parent run) end with ``status`` instead of ``KILLED`` when the process
+        is then stopped without leaving; still only once it is gone, so the end follows
+        everything it handed over. A status the process gives itself (``mlflow.end_run()``)
+        wins. Returns the keys of the runs it applies to.
+        """
+        _check_status(status)
+        keys = []
+        with self._lock:
+            for run in self._runs.values():
+                owner = run.participants.get(run.primary or "")
+                if (owner is not None and owner.process.trial_id == trial_id
+                        and run.parent_key is None and not run.terminated):
+                    run.outcome = status
+                    keys.append(run.key)
+        return keys
+
     def _maybe_end(self, run: _Run) -> list[Control]:
         if run.terminated or run.primary_status is None or run.participants:
             return []
         run.terminated = True
-        logger.info("run %s ends as %s", run.key, run.primary_status)
-        return [Control(self.shard_of(run.key), run.key, "end", run.primary_status)]
+        status = run.primary_status
+        if status == "KILLED" and run.outcome:
+            status = run.outcome
+        logger.info("run %s ends as %s", run.key, status)
+        return [Control(self.shard_of(run.key), run.key, "end", status)]
 
     # --- liveness ----------------------------------------------------------------------------
     def reap(self) -> bool:
