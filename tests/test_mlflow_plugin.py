@@ -224,14 +224,17 @@ def test_a_guest_writer_neither_holds_nor_reopens_nor_ends_its_run() -> None:
 
 @pytest.mark.timeout(10)
 def test_a_stopped_plain_trials_run_ends_with_the_outcome_tune_reported() -> None:
-    # Tune stops a trial's process with no exit hook in it; its driver callback reports the
-    # outcome first (raydeck.tracking.tune_outcome). A sweep's child runs (with a parent) are
-    # the sweep's to end; a status the trial gave itself wins; no word from Tune is KILLED.
+    # Tune's driver callback (raydeck.tracking.tune_outcome) reports a trial's outcome before
+    # Tune stops its process. Its run ends with it once the process is gone (Tune may kill it
+    # before its exit hands the run over) or leaves (MLflow's exit hook says FINISHED even when
+    # the function raised). A sweep's child runs (with a parent) are the sweep's to end; a run
+    # the function ended itself is ended already; no word from Tune: KILLED, as before.
     sent: list[Control] = []
     gone: set[str] = set()
     router = _router(sent, gone)
     trials = {"returned": ("FINISHED", None), "raised": ("FAILED", None), "silent": (None, None),
-              "child": ("FINISHED", "sweep"), "ended": ("FINISHED", None)}
+              "child": ("FINISHED", "sweep"), "exited": ("FAILED", None),
+              "ended": ("FINISHED", None)}
     for trial_id, (_, parent) in trials.items():
         process = ProcessInfo(role="trial", role_key=f"trial:{trial_id}", job_id="job",
                               node_ip="10.0.0.1", hostname="node", pid=1, trial_id=trial_id,
@@ -239,12 +242,14 @@ def test_a_stopped_plain_trials_run_ends_with_the_outcome_tune_reported() -> Non
         assert router.attach(AttachRequest(
             client_id=trial_id, process=process, tracking_uri="http://m", run_key=trial_id,
             run_name=None, experiment="Default", mode="rank_zero", parent_key=parent)).is_primary
+    assert router.detach("ended", "FAILED") == ["ended"]
     for trial_id, (outcome, parent) in trials.items():
         if outcome:
-            assert router.set_trial_outcome(trial_id, outcome) == ([] if parent else [trial_id])
-    assert router.detach("ended", "FAILED") == ["ended"]
+            applies = parent is None and trial_id != "ended"
+            assert router.set_trial_outcome(trial_id, outcome) == ([trial_id] if applies else [])
+    assert router.detach("exited", "FINISHED") == ["exited"]
     gone.update(f"trial:{trial_id}" for trial_id in trials)
     router.reap()
     ends = {c.run_key: c.payload for c in sent if c.kind == "end"}
     assert ends == {"returned": "FINISHED", "raised": "FAILED", "silent": "KILLED",
-                    "child": "KILLED", "ended": "FAILED"}
+                    "child": "KILLED", "exited": "FAILED", "ended": "FAILED"}

@@ -18,8 +18,8 @@ Rules:
 - Primary: the first driver/rank-0/trial process attached to a run with no live primary. A
   restarted process (same ``role_key``) replaces its predecessor, primary role included.
 - End: when the primary has finished (its status is used) and no participant is left. A
-  primary that died ends its run ``KILLED``, unless it was a plain Tune trial whose outcome
-  Tune reported (``set_trial_outcome``).
+  primary that died ends its run ``KILLED``. A plain Tune trial's run ends with the outcome
+  Tune reported for it (``set_trial_outcome``), if Tune did before the trial's process left.
 - Guests (a process that only writes to a run by its id, ``AttachRequest.guest``) are not
   participants: they get the run's binding and write through its shard, but never hold the run
   open, reopen it or end it by leaving. A guest's explicit end (``end_unowned``) ends only a
@@ -90,8 +90,8 @@ class _Run:
     children: dict[int, bool] = field(default_factory=dict)  # rank -> open in MLflow
     samplers: dict[str, str] = field(default_factory=dict)
     terminated: bool = False
-    # How a plain Tune trial ended, as Tune said (``set_trial_outcome``): the status for a
-    # primary that is then stopped without leaving (no exit hook runs in a stopped trial).
+    # How a plain Tune trial ended, as Tune said (``set_trial_outcome``): the run's status when
+    # it ends after that (the trial's exit says FINISHED even when its function raised).
     outcome: str | None = None
 
 
@@ -375,11 +375,12 @@ class RouterCore:
     def set_trial_outcome(self, trial_id: str, status: str) -> list[str]:
         """Tune's word on how a trial ended (FINISHED: its function returned or the scheduler
         stopped it; FAILED: it raised), from the driver's Tune callback
-        (:mod:`raydeck.tracking.tune_outcome`). The runs that trial's process owns and no sweep
-        supervises (no parent run) end with ``status`` instead of ``KILLED`` when the process
-        is then stopped without leaving; still only once it is gone, so the end follows
-        everything it handed over. A status the process gives itself (``mlflow.end_run()``)
-        wins. Returns the keys of the runs it applies to.
+        (:mod:`raydeck.tracking.tune_outcome`). The runs that trial's process owns, still open,
+        that no sweep supervises (no parent run), end with ``status`` when the process leaves
+        or is gone: not ``KILLED`` because Tune killed the process before its exit handed the
+        run over, nor the ``FINISHED`` MLflow's exit hook gives a trial whose function raised.
+        The end still follows everything the process handed over. A run the trial function
+        ended itself (``mlflow.end_run()``) is ended already. Returns the keys it applies to.
         """
         _check_status(status)
         keys = []
@@ -396,9 +397,7 @@ class RouterCore:
         if run.terminated or run.primary_status is None or run.participants:
             return []
         run.terminated = True
-        status = run.primary_status
-        if status == "KILLED" and run.outcome:
-            status = run.outcome
+        status = run.outcome or run.primary_status
         logger.info("run %s ends as %s", run.key, status)
         return [Control(self.shard_of(run.key), run.key, "end", status)]
 
