@@ -3,14 +3,13 @@
 A plain ``Tuner`` trial that logs through raydeck (``setup_mlflow`` with a ``raydeck://`` URI,
 ``mlflow.start_run()`` or ``get_tracker()`` in the trial) owns a run that nothing in the trial
 function ends. Tune stops the trial's process with a ``stop`` task whose cleanup does not wait
-for the training thread, then drops the actor. The process's exit hooks run (MLflow's
-``end_run`` at exit, raydeck's own), but Ray ends the process soon after (measured in Ray 2.60:
-6 to 230 ms after they started), before an end that waits for MLflow is done, and they cannot
-tell a trial whose function raised (Tune's thread runner caught the exception) from one that
-returned. So without word from Tune the run ends ``KILLED`` (or ``FINISHED`` when the exit wins
-the race, even for a trial that raised). Tune's driver knows: this callback passes
-``on_trial_complete`` (``FINISHED``: the function returned, or a scheduler such as ASHA or a
-stopper stopped it) and ``on_trial_error`` (``FAILED``) to the router
+for the training thread, then drops the actor. The process's exit hooks do run (MLflow's
+``end_run`` at exit, raydeck's own), but they cannot tell a trial whose function raised (Tune's
+thread runner caught the exception) from one that returned, and the run still ended ``KILLED``
+(the trial's end at exit never got as far as leaving the run before Ray reported the process
+gone). Tune's driver knows: this callback passes ``on_trial_complete`` (``FINISHED``: the
+function returned, or a scheduler such as ASHA or a stopper stopped it) and ``on_trial_error``
+(``FAILED``) to the router
 (:meth:`~raydeck.tracking.router.RouterCore.set_trial_outcome`), which ends the run with that
 status once the trial's process has left or is gone.
 
