@@ -139,6 +139,17 @@ def mlflow_server(session_dir: Path) -> Iterator[MlflowServer]:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def killable_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    """An MLflow server of the module's own, which its tests may kill, freeze and restart (never
+    the session's, which every other test shares)."""
+    from tests.fixtures.tracking import start_isolated_server  # raydeck's settings: at use
+
+    server = start_isolated_server(tmp_path_factory.mktemp("killable"))
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def raydeck_env(session_dir: Path, mlflow_server: MlflowServer) -> Iterator[dict[str, str]]:
     """raydeck's settings for the session, in os.environ (so Ray workers inherit them)."""

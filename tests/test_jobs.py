@@ -21,8 +21,10 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.processes import free_port
 from tests.fixtures.ray_head import RayHead, head_env
+from tests.fixtures.tracking import metric_steps, read_line_with
 
 REPO = Path(__file__).resolve().parents[1]
 RUNTIME_ENVS = sorted((REPO / "runtime_envs").glob("*.yaml"))
@@ -299,40 +301,58 @@ def test_ray_job_submit_runs_the_torch_job_with_the_cpu_runtime_env(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_plain_mlflow_loop_as_a_ray_job_submit_driver_lands_exactly_once(
-    ray_head: RayHead, mlflow_client: Any
+def test_a_plain_mlflow_loop_as_a_ray_job_submit_driver_keeps_every_point_while_mlflow_is_sigkilled(
+    ray_head: RayHead, killable_mlflow: MlflowServer
 ) -> None:
+    """MLflow code that knows nothing of raydeck, submitted with ``ray job submit``; only its
+    tracking URI says ``raydeck+``. MLflow is SIGKILLed from step 20 until the loop's last step
+    (about 18 s): the loop never waits on it, ``end_run()`` returns once MLflow is back, and
+    every point lands once in the driver's one run."""
     from mlflow.entities import ViewType
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(killable_mlflow.uri)
 
     def all_run_ids() -> set[str]:
-        experiments = [e.experiment_id for e in mlflow_client.search_experiments(
+        experiments = [e.experiment_id for e in client.search_experiments(
             view_type=ViewType.ALL)]
-        return {r.info.run_id for r in mlflow_client.search_runs(
+        return {r.info.run_id for r in client.search_runs(
             experiments, run_view_type=ViewType.ALL, max_results=5000)}
 
     before = all_run_ids()
-    # MLflow code that knows nothing of raydeck; only its tracking URI says raydeck+.
-    steps = 30
+    steps, down_at_step = 200, 20
     run_name = f"mlflow-loop-{uuid.uuid4().hex[:8]}"
-    env_vars = {"MLFLOW_TRACKING_URI": f"raydeck+{ray_head.env['RAYDECK_TRACKING_URI']}"}
-    done = subprocess.run(
+    # A proxy of its own on this head for this server (the module's other jobs use the
+    # session's MLflow through the head's default namespace); it ends with the head.
+    env_vars = {"MLFLOW_TRACKING_URI": f"raydeck+{killable_mlflow.uri}",
+                "RAYDECK_RAY_NAMESPACE": f"raydeck-test-{uuid.uuid4().hex[:8]}"}
+    submit = subprocess.Popen(
         ["ray", "job", "submit", "--working-dir", "jobs",
          "--runtime-env-json", json.dumps({"env_vars": env_vars}), "--",
-         "python", "mlflow_loop.py", "--steps", str(steps), "--run-name", run_name],
+         "python", "mlflow_loop.py", "--steps", str(steps), "--step-time-s", "0.1",
+         "--run-name", run_name],
         cwd=REPO, env={**_submit_env(ray_head), "PATH": ray_head.env["PATH"]},
-        capture_output=True, text=True, timeout=240,
+        text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-3000:]
-    run_id = next(line.split()[1] for line in done.stdout.splitlines()
-                  if line.startswith("RUN "))
+    try:
+        run_id = read_line_with(submit, "RUN")
+        read_line_with(submit, f"STEP {down_at_step}")
+        killable_mlflow.kill()
+        read_line_with(submit, "LOOPED")  # the loop never waited on MLflow
+        killable_mlflow.start()
+        read_line_with(submit, "ENDED")
+        assert submit.wait(timeout=120) == 0
+    finally:
+        if not killable_mlflow.alive():
+            killable_mlflow.start()
+        submit.kill()
     # end_run returned in the driver: everything is in MLflow, the run ended.
-    run = mlflow_client.get_run(run_id)
+    run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params == {"steps": str(steps), "lr": "0.1"}
     assert run.data.tags["example"] == "mlflow_loop"
     for key in ("loss", "accuracy"):
-        assert sorted(m.step for m in mlflow_client.get_metric_history(run_id, key)) == list(
-            range(steps))
+        assert metric_steps(client, run_id, key) == list(range(steps)), key
     assert run.info.run_name == run_name
     assert all_run_ids() - before == {run_id}  # the driver's run, no other
 

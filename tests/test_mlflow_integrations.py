@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from tests.fixtures.tracking import (
     driver_process,
     metric_steps,
     read_line_with,
-    start_isolated_server,
 )
 
 RUN_END_TIMEOUT_S = 60.0
@@ -40,14 +38,6 @@ def _runs(client: Any, experiment: str) -> list[Any]:
     if found is None:
         return []
     return list(client.search_runs([found.experiment_id], run_view_type=ViewType.ALL))
-
-
-@pytest.fixture(scope="module")
-def killable_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    """An MLflow server these tests may kill (never the session's)."""
-    server = start_isolated_server(tmp_path_factory.mktemp("killable"))
-    yield server
-    server.stop()
 
 
 def _assert_once_each(client: Any, run_id: str, key: str, steps: list[int]) -> None:

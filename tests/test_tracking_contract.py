@@ -32,16 +32,7 @@ from tests.fixtures.tracking import (
     isolated_settings,
     participants,
     read_line_with,
-    start_isolated_server,
 )
-
-
-@pytest.fixture(scope="module")
-def killable_mlflow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    """An MLflow server these tests may kill, freeze and restart (never the session's)."""
-    server = start_isolated_server(tmp_path_factory.mktemp("killable"))
-    yield server
-    server.stop()
 
 
 @pytest.fixture
