@@ -44,34 +44,30 @@ class Outbox:
 
     def deliver(self, controls: list[Control]) -> None:
         with self._lock:
-            waiting = {c.run_key for c in self._waiting}
-            for control in controls:
-                if control.run_key in waiting:
-                    self._waiting.append(control)
-                    continue
-                try:
-                    self._send(control)
-                except Exception as exc:
-                    logger.warning("shard %d unreachable (%s); run %s's %s waits in the outbox",
-                                   control.shard_index, type(exc).__name__, control.run_key,
-                                   control.kind)
-                    self._waiting.append(control)
-                    waiting.add(control.run_key)
+            self._send_in_order(controls, {c.run_key for c in self._waiting}, warn=True)
 
     def retry(self) -> None:
         """Send what waits, in order; a run whose update fails again keeps the rest waiting."""
         with self._lock:
             pending, self._waiting = self._waiting, []
-            failed_runs: set[str] = set()
-            for control in pending:
-                if control.run_key in failed_runs:
-                    self._waiting.append(control)
-                    continue
-                try:
-                    self._send(control)
-                except Exception:
-                    self._waiting.append(control)
-                    failed_runs.add(control.run_key)
+            self._send_in_order(pending, set(), warn=False)
+
+    def _send_in_order(self, controls: list[Control], blocked: set[str], warn: bool) -> None:
+        """Send each control unless its run is ``blocked`` (an earlier update of it waits); one
+        that fails waits, and blocks its run's later ones. Called under the lock."""
+        for control in controls:
+            if control.run_key in blocked:
+                self._waiting.append(control)
+                continue
+            try:
+                self._send(control)
+            except Exception as exc:
+                if warn:
+                    logger.warning("shard %d unreachable (%s); run %s's %s waits in the outbox",
+                                   control.shard_index, type(exc).__name__, control.run_key,
+                                   control.kind)
+                self._waiting.append(control)
+                blocked.add(control.run_key)
 
     def size(self) -> int:
         with self._lock:
