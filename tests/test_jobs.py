@@ -24,7 +24,7 @@ import yaml
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.processes import free_port
 from tests.fixtures.ray_head import RayHead, head_env
-from tests.fixtures.tracking import metric_steps, read_line_with
+from tests.fixtures.tracking import loop_through_an_mlflow_kill, metric_steps
 
 REPO = Path(__file__).resolve().parents[1]
 RUNTIME_ENVS = sorted((REPO / "runtime_envs").glob("*.yaml"))
@@ -334,18 +334,7 @@ def test_a_plain_mlflow_loop_as_a_ray_job_submit_driver_keeps_every_point_while_
         cwd=REPO, env={**_submit_env(ray_head), "PATH": ray_head.env["PATH"]},
         text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )
-    try:
-        run_id = read_line_with(submit, "RUN")
-        read_line_with(submit, f"STEP {down_at_step}")
-        killable_mlflow.kill()
-        read_line_with(submit, "LOOPED")  # the loop never waited on MLflow
-        killable_mlflow.start()
-        read_line_with(submit, "ENDED")
-        assert submit.wait(timeout=120) == 0
-    finally:
-        if not killable_mlflow.alive():
-            killable_mlflow.start()
-        submit.kill()
+    run_id = loop_through_an_mlflow_kill(submit, killable_mlflow, down_at_step, 120)
     # end_run returned in the driver: everything is in MLflow, the run ended.
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"

@@ -24,6 +24,7 @@ from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.processes import wait_until
 from tests.fixtures.tracking import (
     driver_process,
+    loop_through_an_mlflow_kill,
     metric_steps,
     read_line_with,
 )
@@ -204,17 +205,8 @@ def test_a_plain_mlflow_loop_keeps_every_point_while_mlflow_is_sigkilled(
         env={"MLFLOW_TRACKING_URI": f"raydeck+{killable_mlflow.uri}",
              "RAYDECK_RAY_NAMESPACE": namespace, "RAYDECK_DATA_DIR": str(tmp_path)})
     try:
-        run_id = read_line_with(proc, "RUN")
-        read_line_with(proc, f"STEP {down_at_step}")
-        killable_mlflow.kill()
-        read_line_with(proc, "LOOPED")  # the loop never waited on MLflow
-        killable_mlflow.start()
-        read_line_with(proc, "ENDED")
-        assert proc.wait(timeout=60) == 0
+        run_id = loop_through_an_mlflow_kill(proc, killable_mlflow, down_at_step, 60)
     finally:
-        if not killable_mlflow.alive():
-            killable_mlflow.start()
-        proc.kill()
         stop_proxy(namespace, 60)
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
