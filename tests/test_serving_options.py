@@ -15,7 +15,9 @@ def test_gpu_quarter_packs_four_replicas_on_one_gpu() -> None:
     options = ServeOptions("models:/digits@champion", preset="gpu-quarter")
     deployment = options.deployment_options(load_settings())
     assert deployment["num_replicas"] == 4
-    assert deployment["ray_actor_options"] == {"num_cpus": 1, "num_gpus": 0.25}
+    assert deployment["ray_actor_options"] == {
+        "num_cpus": 1, "num_gpus": 0.25,
+        "runtime_env": {"env_vars": {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}}}
     assert deployment["user_config"] == {"max_batch_size": 32, "batch_wait_timeout_s": 0.0}
     assert options.name == "digits" and options.follows_alias
 

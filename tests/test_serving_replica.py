@@ -327,6 +327,7 @@ def test_a_version_that_cannot_load_for_a_while_is_retried_one_that_fails_its_ch
     wait_until(lambda: "2" in server.describe()["retrying"], 60, "version 2 to be retried")
     health = json.dumps(_call(server, b"", "/health", "GET"))
     assert '"version": "1"' in health and "ConnectionError" in health, health
+    assert '"device": null' in health  # not a torch module
     assert "hunter2secret" not in health and "bob" not in health, health
     assert not server.describe()["rejected"]
     os.remove(replica["down"])
@@ -340,3 +341,49 @@ def test_a_version_that_cannot_load_for_a_while_is_retried_one_that_fails_its_ch
     assert "HealthCheckFailed" in server.describe()["rejected"]["3"]
     assert _call(server, b'{"inputs": [[2, 2]]}') == (200, {"predictions": [4.0]})
 
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_says_which_device_its_model_predicts_on(tmp_path: Path) -> None:
+    """``/health`` shows where the model predicts: a torch model's device as MLflow's pytorch
+    flavor placed it (``cuda:0`` on a replica given a GPU); a model that is not a torch module
+    says nothing (the summer model's ``/health`` in the retry test above)."""
+    import mlflow.pyfunc
+    import torch
+
+    from raydeck.models import Standardized, save_torch_model
+    from raydeck.serving.server import model_device
+
+    network = Standardized(torch.nn.Linear(2, 1), [0.0, 0.0], [1.0, 1.0])
+    saved = save_torch_model(network, tmp_path / "torch", np.zeros((1, 2), dtype=np.float32))
+    expected = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert model_device(mlflow.pyfunc.load_model(str(saved))) == expected
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_replica_given_no_gpu_sees_none_on_a_node_that_has_one(ray_cluster: None) -> None:
+    """Ray leaves a GPU node's ``CUDA_VISIBLE_DEVICES`` as it is for an actor given no GPU, and
+    MLflow's pytorch flavor would then load onto a GPU that Ray counts as free; the replica's
+    actor options make Ray hide it. The node's variable is set in the probe's environment,
+    as a GPU node's raylet passes it on."""
+    import ray
+
+    from raydeck.config import load_settings
+    from raydeck.serving.options import ServeOptions
+
+    actor_options = ServeOptions("models:/digits/1").deployment_options(
+        load_settings())["ray_actor_options"]
+    assert "num_gpus" not in actor_options
+    env_vars = {**actor_options["runtime_env"]["env_vars"], "CUDA_VISIBLE_DEVICES": "0"}
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def visible_gpus(self) -> str | None:
+            return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+    probe = Probe.options(runtime_env={"env_vars": env_vars}).remote()  # type: ignore[attr-defined]
+    try:
+        assert ray.get(probe.visible_gpus.remote(), timeout=60) == ""
+    finally:
+        ray.kill(probe)

@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     from raydeck.config import Settings
 
 DEFAULT_PRESET = "cpu-1"
+# Ray sets CUDA_VISIBLE_DEVICES (and each other accelerator's variable) only for an actor it
+# gives some of that accelerator: a replica given no GPU on a GPU node sees every GPU, and
+# MLflow's pytorch flavor loads a model onto CUDA whenever the process sees one, so a CPU
+# replica would predict on a GPU that Ray counts as free (and that GPU replicas were given).
+# Ray's own switch, set in each replica's environment, makes Ray hide what it did not assign.
+HIDE_UNASSIGNED_ACCELERATORS = {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}
 _APP_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
@@ -30,7 +36,8 @@ class ServeOptions:
             ``models:/name/3`` or ``runs:/<run id>/model``.
         name: Serve application name (default: the model's name, or ``model`` for a run).
         preset: scaling preset: replicas = its workers, each with its CPUs/GPUs (fractional
-            GPUs pack replicas onto one GPU, e.g. ``gpu-quarter``).
+            GPUs pack replicas onto one GPU, e.g. ``gpu-quarter``). A replica sees exactly the
+            GPUs Ray gave it, none for a preset without GPUs.
         min_replicas, max_replicas: Serve autoscaling between these (both set), starting at the
             preset's count; unset: a fixed number of replicas.
         target_ongoing_requests: autoscaling's target of in-flight requests per replica.
@@ -111,7 +118,11 @@ class ServeOptions:
         from raydeck.scaling import get_preset
 
         preset = get_preset(self.preset, settings.presets_file)
-        actor_options: dict[str, Any] = {"num_cpus": preset.cpus_per_worker}
+        actor_options: dict[str, Any] = {
+            "num_cpus": preset.cpus_per_worker,
+            # Merged by Serve with the application's runtime env (env_vars are combined).
+            "runtime_env": {"env_vars": dict(HIDE_UNASSIGNED_ACCELERATORS)},
+        }
         if preset.gpus_per_worker:
             actor_options["num_gpus"] = preset.gpus_per_worker
         if preset.memory_per_worker_gb:

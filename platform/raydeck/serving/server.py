@@ -18,6 +18,7 @@ the alias moves on.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import threading
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 from ray import serve
 
 from raydeck.models import ModelRef, resolve_model_uri
@@ -78,6 +80,7 @@ class LoadedModel:
     ref: ModelRef
     model: Any
     expected: TensorInput | None
+    device: str | None
 
     @property
     def version(self) -> str:
@@ -85,6 +88,24 @@ class LoadedModel:
 
     def predict(self, rows: np.ndarray) -> np.ndarray:
         return np.asarray(self.model.predict(rows))
+
+
+def model_device(model: Any) -> str | None:
+    """Where a loaded pyfunc model predicts: its torch module's device (``cpu``, ``cuda:0``);
+    None for a model that is not a torch module.
+
+    MLflow's pytorch flavor loads onto CUDA whenever the process sees a GPU (a replica sees
+    only the GPU Ray gave it, see :data:`~raydeck.serving.options.HIDE_UNASSIGNED_ACCELERATORS`)
+    and moves each input there; this says which it chose.
+    """
+    try:
+        raw = model.get_raw_model()
+    except NotImplementedError:
+        return None
+    if not isinstance(raw, torch.nn.Module):
+        return None
+    tensor = next(itertools.chain(raw.parameters(), raw.buffers()), None)
+    return str(tensor.device) if tensor is not None else None
 
 
 class HealthCheckFailed(Exception):
@@ -111,7 +132,7 @@ def load(ref: ModelRef, settings: Settings) -> LoadedModel:
     # the params; the tensor path ignores them, as MLflow does for a model without one.
     expected = (TensorInput.from_schema(model.metadata.get_input_schema())
                 if model.metadata.get_params_schema() is None else None)
-    loaded = LoadedModel(ref, model, expected)
+    loaded = LoadedModel(ref, model, expected, model_device(model))
     example = getattr(model, "input_example", None)
     if example is not None:
         try:
@@ -208,6 +229,7 @@ class ModelServer:
         return {"replica": self._replica,
                 "model_uri": self._options.model_uri, "version": loaded.ref.version,
                 "pinned_uri": loaded.ref.pinned_uri, "run_id": loaded.ref.run_id,
+                "device": loaded.device,
                 "max_batch_size": self._max_batch_size, "in_batches": self._batcher.pending,
                 "rejected": dict(self._rejected),
                 "retrying": {version: f"attempt {retry.attempts}: {retry.reason}"
