@@ -61,9 +61,9 @@ from typing import Any
 
 import numpy as np
 
-# Serve's replicas each take one core; the rest of the machine is the client's, HAProxy's and
-# Ray's own (the raylet, GCS, Serve's controller).
-CORES = os.cpu_count() or 1
+# The cores this process may run on (a container's CPU set, where os.cpu_count() says the
+# host's): Ray's CPUs and MLflow's worker per core.
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
