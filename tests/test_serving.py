@@ -449,7 +449,8 @@ def test_config_out_writes_a_serve_config_that_ray_accepts_without_secrets(
     assert application["import_path"] == "raydeck.serving.app:app_builder"
     deployment = application["deployments"][0]
     assert deployment["autoscaling_config"]["max_replicas"] == 3
-    assert deployment["ray_actor_options"] == {"num_cpus": 1.0}
+    assert deployment["ray_actor_options"] == {
+        "num_cpus": 1.0, "runtime_env": {"env_vars": {"RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "1"}}}
     assert "tracking" not in target.read_text().lower()
     app_builder(application["args"])  # what `serve deploy` imports and calls
 
