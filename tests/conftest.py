@@ -35,6 +35,9 @@ TEST_ENV = {
     "RAYDECK_TRACKING_RETRY_MAX_S": "1",
     "RAYDECK_TRACKING_FINISH_TIMEOUT_S": "60",
     "RAYDECK_LOG_LEVEL": "INFO",
+    # The queue looks at its jobs every 2 s by default; every start, end and preemption waits
+    # for its next look.
+    "RAYDECK_QUEUE_TICK_S": "0.5",
     # Ray Train polls its workers every 2 s by default; 0.5 s saves seconds per job.
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     # Ray Train's spot-node preemption watcher is one more actor process per fit (about 2 CPU-s

@@ -49,6 +49,7 @@ def test_env_overrides_toml_and_toml_overrides_defaults(tmp_path: Path) -> None:
         ({"RAYDECK_TRACKING_HEARTBEAT_INTERVAL_S": "-1"}, "RAYDECK_TRACKING_HEARTBEAT_INTERVAL_S"),
         ({"RAYDECK_RAY_ADDRESS": "http//nope"}, "RAYDECK_RAY_ADDRESS"),
         ({"RAYDECK_RUN_ID": "has spaces"}, "RAYDECK_RUN_ID"),
+        ({"RAYDECK_QUEUE_TICK_S": "0"}, "RAYDECK_QUEUE_TICK_S"),
         ({"RAYDECK_S3_ENDPOINT": "http://s3:9000"}, "RAYDECK_S3_ENDPOINT"),
     ],
 )

@@ -206,6 +206,9 @@ class Settings(Section):
     train_poll_interval_s: float = setting(
         0.5, "Ray Train's worker poll (RAY_TRAIN_HEALTH_CHECK_INTERVAL_S; Ray's default is 2)"
     )
+    queue_tick_s: float = setting(
+        2.0, "How often the job queue checks its jobs and starts what fits (seconds)"
+    )
     tracking: TrackingSettings = field(default_factory=TrackingSettings)
     storage: StorageSettings = field(default_factory=StorageSettings)
 
@@ -221,6 +224,8 @@ class Settings(Section):
             raise self._reject("run_id", "may hold 1-128 letters, digits, _ . - only")
         if not 0 < self.train_poll_interval_s <= 60:
             raise self._reject("train_poll_interval_s", "must be > 0 and <= 60 seconds")
+        if not 0 < self.queue_tick_s <= 60:
+            raise self._reject("queue_tick_s", "must be > 0 and <= 60 seconds")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise self._reject("log_level", "must be DEBUG, INFO, WARNING or ERROR")
 

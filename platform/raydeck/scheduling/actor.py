@@ -1,10 +1,11 @@
 """The queue's home: one detached, named Ray actor on the head node, ticking.
 
 Owns: :class:`QueueActor` (a :class:`~raydeck.scheduling.queue.JobQueue` with a thread that
-ticks every ``tick_s``) and :func:`queue_handle`, which finds it or starts it. The actor restarts
-after a crash (``max_restarts=-1``) and reads everything from its database, so killing it loses
-and duplicates nothing; its database is SQLite in the head's ``RAYDECK_DATA_DIR`` unless
-``RAYDECK_QUEUE_DATABASE_URL`` (on the head) names another (PostgreSQL).
+ticks every ``RAYDECK_QUEUE_TICK_S``, 2 s by default) and :func:`queue_handle`, which finds it or
+starts it. The actor restarts after a crash (``max_restarts=-1``) and reads everything from its
+database, so killing it loses and duplicates nothing; its database is SQLite in the head's
+``RAYDECK_DATA_DIR`` unless ``RAYDECK_QUEUE_DATABASE_URL`` (on the head) names another
+(PostgreSQL). It reads its settings from the head's environment, like Ray's own processes.
 
 Calls answer ``(True, value)`` or ``(False, message)``: a refusal is one line for the CLI, not
 a Ray traceback. Calls that change a job or the configuration carry the caller's
@@ -38,13 +39,12 @@ logger = logging.getLogger(__name__)
 
 ACTOR_NAME = QUEUE_ACTOR_NAME
 DATABASE_URL_ENV = "RAYDECK_QUEUE_DATABASE_URL"
-DEFAULT_TICK_S = 2.0
 
 
 class QueueActor:
     """The queue actor (created through :func:`queue_handle`)."""
 
-    def __init__(self, server: JobServer, tick_s: float = DEFAULT_TICK_S) -> None:
+    def __init__(self, server: JobServer) -> None:
         from raydeck.config import load_settings
         from raydeck.scheduling.history import MlflowHistory
         from raydeck.scheduling.launcher import TimedLauncher
@@ -65,7 +65,7 @@ class QueueActor:
             run_finished=MlflowRuns(settings.tracking.uri) if tracking else None,
             cluster=history.cluster if history is not None else None)
         self._stop = threading.Event()
-        self._tick_s = tick_s
+        self._tick_s = settings.queue_tick_s
         threading.Thread(target=self._loop, name="raydeck-queue-tick", daemon=True).start()
 
     def _loop(self) -> None:
@@ -162,7 +162,7 @@ class QueueMetrics(Observer):
         self._seen |= set(by_team_and_state)
 
 
-def queue_handle(server: JobServer, namespace: str, tick_s: float = DEFAULT_TICK_S) -> Any:
+def queue_handle(server: JobServer, namespace: str) -> Any:
     """The running queue actor, or a new one pinned to the head node. The caller is connected
     to the cluster (``raydeck.cluster.connect_existing``)."""
     import ray
@@ -180,7 +180,7 @@ def queue_handle(server: JobServer, namespace: str, tick_s: float = DEFAULT_TICK
     }
     if head is not None:
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
-    return ray.remote(QueueActor).options(**options).remote(server, tick_s)
+    return ray.remote(QueueActor).options(**options).remote(server)
 
 
 def answer(reply: tuple[bool, Any]) -> Any:
