@@ -2,12 +2,13 @@
 cluster has room for, and the MLflow run records the world size each epoch was trained at.
 
 The unit tests check the preset rules (validation, feasibility at the minimum, the range in
-tables) without a cluster. The cluster test runs the reference digits job on the session's Ray
-cluster (4 CPUs) with a preset of one to four two-CPU workers: a fixed four-worker preset could
-never start, the elastic one runs with the two workers the cluster holds. A second cluster test
-joins a node to the session's cluster, removes it under a one-worker-per-node elastic job, and
-checks that Ray Train restarts the job smaller from its committed checkpoint with nothing lost
-or logged twice; the node is gone again afterwards.
+tables) without a cluster. The cluster test joins a node to the session's cluster and runs the
+reference digits job with a preset of one to four three-CPU workers, one per node: four could
+never start, the elastic job starts with the two the cluster holds and records that world size;
+then the node is removed under it, and Ray Train restarts the job smaller from its committed
+checkpoint with nothing lost or logged twice; the node is gone again afterwards. (One job proves
+both: an earlier separate run at the size that fits, on the session's head alone, proved
+nothing this one does not, for about 30 s.)
 
 What Ray 2.60's elastic policy sizes by: the nodes' *total* resources, shared among the jobs that
 ask Ray's AutoscalingCoordinator (elastic Train jobs, Ray Data), not what other work holds now.
@@ -40,15 +41,13 @@ from tests.fixtures.ray_head import (
 )
 from tests.test_fault_tolerance import LATEST_EPOCH_TAG, RESUMED_TAG, run_through_a_fault
 
-EPOCHS = 2
-# Two CPUs a worker on the session cluster's 4 (tests/conftest.py RAY_NUM_CPUS): two fit.
-ELASTIC_PRESET = "cpu2-1-4:\n  num_workers: [1, 4]\n  cpus_per_worker: 2\n"
-WORKERS_THAT_FIT = 2
 WORLD_SIZE_METRIC = "raydeck/world_size"
-# One worker per node: three CPUs a worker, the session's head has 4 and the joined node 3.
+# One worker per node: three CPUs a worker, the session's head has 4 and the joined node 3, so
+# two of the preset's up to four fit.
 NODE_CPUS = 3
-SPREAD_PRESET = (f"spread-1-2:\n  num_workers: [1, 2]\n  cpus_per_worker: {NODE_CPUS}\n"
+SPREAD_PRESET = (f"spread-1-4:\n  num_workers: [1, 4]\n  cpus_per_worker: {NODE_CPUS}\n"
                  "  placement_strategy: SPREAD\n")
+WORKERS_THAT_FIT = 2
 # One epoch before the node goes, the one it interrupts (trained again), one after.
 SHRINK_EPOCHS = 3
 SHRINK_RUN_TIMEOUT_S = 240.0
@@ -137,29 +136,6 @@ def _history(client: Any, run_id: str, key: str) -> list[tuple[int, float]]:
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_an_elastic_digits_job_runs_with_the_workers_that_fit_and_records_its_world_size(
-    ray_cluster: None, mlflow_client: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from raydeck.examples.digits import run_digits
-
-    presets = tmp_path / "presets.yaml"
-    presets.write_text(ELASTIC_PRESET)
-    monkeypatch.setenv("RAYDECK_PRESETS_FILE", str(presets))
-    with pytest.raises(InfeasibleResourcesError):
-        check_feasible(get_preset("cpu2-1-4", presets).with_workers(4))
-    run = run_digits(preset="cpu2-1-4", config={"epochs": EPOCHS}, run_name="elastic",
-                     run_id=f"elastic-{uuid.uuid4().hex[:8]}")
-    found = mlflow_client.get_run(run.run_id)
-    assert found.info.status == "FINISHED"
-    assert found.data.params["num_workers"] == "1-4"
-    assert [step for step, _ in _history(mlflow_client, run.run_id, "val_accuracy")] == list(
-        range(EPOCHS))
-    assert _history(mlflow_client, run.run_id, WORLD_SIZE_METRIC) == [
-        (epoch, float(WORKERS_THAT_FIT)) for epoch in range(EPOCHS)]
-
-
 # Ray Train waits this long for a worker group's placement group before it tries again at the
 # size the cluster then has (Ray's default: 60 s); see below why a restart waits for it.
 PLACEMENT_WAIT_S = "10"
@@ -230,8 +206,9 @@ def test_a_node_removed_under_an_elastic_job_shrinks_it_and_loses_nothing(
     joined_node: ManagedProcess, mlflow_client: Any, tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Ray Train restarts the group at the size the remaining nodes hold, from the latest
-    committed checkpoint, in the same MLflow run; every epoch is logged once.
+    """The job starts with the workers that fit (two of up to four); Ray Train restarts the
+    group at the size the remaining nodes hold, from the latest committed checkpoint, in the
+    same MLflow run; every epoch is logged once, with the world size it was trained at.
 
     The restart first asks for the old size: the elastic policy's view of the nodes is up to
     20 s old (see :func:`_refresh_elastic_view`), so it still counts the removed node, and the
@@ -244,9 +221,11 @@ def test_a_node_removed_under_an_elastic_job_shrinks_it_and_loses_nothing(
     presets.write_text(SPREAD_PRESET)
     monkeypatch.setenv("RAYDECK_PRESETS_FILE", str(presets))
     monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", PLACEMENT_WAIT_S)
+    with pytest.raises(InfeasibleResourcesError):
+        check_feasible(get_preset("spread-1-4", presets).with_workers(4))
     key = f"elastic-shrink-{uuid.uuid4().hex[:8]}"
     shrunk = run_through_a_fault(
-        mlflow_client, key, lambda: run_digits(preset="spread-1-2",
+        mlflow_client, key, lambda: run_digits(preset="spread-1-4",
                                                config={"epochs": SHRINK_EPOCHS},
                                                run_name="elastic-shrink", run_id=key),
         0, joined_node.stop, SHRINK_RUN_TIMEOUT_S)
@@ -258,12 +237,14 @@ def test_a_node_removed_under_an_elastic_job_shrinks_it_and_loses_nothing(
     run = shrunk.run
     assert run is not None and run.info.run_id == shrunk.result.run_id
     assert run.info.status == "FINISHED"
+    assert run.data.params["num_workers"] == "1-4"
     assert committed <= resumed_from <= committed + 1 < SHRINK_EPOCHS
     assert run.data.tags[LATEST_EPOCH_TAG] == str(SHRINK_EPOCHS - 1)
     assert run.data.tags[RESUMED_TAG] == str(resumed_from)
     for metric in ("train_loss", "val_loss", "val_accuracy", WORLD_SIZE_METRIC):
         assert [step for step, _ in _history(mlflow_client, run.info.run_id, metric)] == list(
             range(SHRINK_EPOCHS)), metric
-    # Two workers up to the checkpoint it resumed from, one from there on.
+    # The two workers that fit up to the checkpoint it resumed from, one from there on.
     assert _history(mlflow_client, run.info.run_id, WORLD_SIZE_METRIC) == [
-        (epoch, 2.0 if epoch <= resumed_from else 1.0) for epoch in range(SHRINK_EPOCHS)]
+        (epoch, float(WORKERS_THAT_FIT) if epoch <= resumed_from else 1.0)
+        for epoch in range(SHRINK_EPOCHS)]
