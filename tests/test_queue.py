@@ -75,9 +75,12 @@ class Cluster:
     log: Path
     prometheus: PrometheusServer
 
-    def cli(self, *args: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
-        """``raydeck ARGS``; ``user``: as that OS user name (what ``getpass`` reads)."""
+    def cli(self, *args: str, user: str | None = None, columns: int | None = None
+            ) -> subprocess.CompletedProcess[str]:
+        """``raydeck ARGS``; ``user``: as that OS user name (what ``getpass`` reads);
+        ``columns``: the terminal's width, when a table's row must fit one line."""
         env = {**self.env, "LOGNAME": user, "USER": user} if user else self.env
+        env = {**env, "COLUMNS": str(columns)} if columns else env
         return subprocess.run([sys.executable, "-m", "raydeck.cli", *args], cwd=self.workdir,
                               env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
 
@@ -656,6 +659,104 @@ def test_an_elastic_job_starts_small_grows_when_a_holder_ends_and_shrinks_for_a_
           f"job queued) -> stopped {shrunk.end_time / 1000 - urgent_at:.1f} s later -> "
           f"relaunched at 1 worker {(last.start_time - shrunk.end_time) / 1000:.1f} s after "
           f"the stop; world sizes per epoch {sizes}")
+
+
+# A terminal wide enough for a Serve row of `raydeck queue` on one line.
+WIDE_COLUMNS = 400
+TINY_SERVE = """
+from ray import serve
+
+
+@serve.deployment
+class Tiny:
+    def __call__(self, request):
+        return "ok"
+
+
+app = Tiny.bind()
+"""
+
+
+def _serve_details(cluster: Cluster) -> dict[str, Any]:
+    """Serve's own view (``GET /api/serve/applications/`` on the head's dashboard)."""
+    import requests
+
+    from raydeck.jobs import JobServer
+
+    server = JobServer.from_env(env=cluster.head.client_env)
+    answer = requests.get(f"{server.address}/api/serve/applications/",
+                          headers=server.headers(), timeout=30)
+    answer.raise_for_status()
+    return dict(answer.json())
+
+
+def _tiny(cluster: Cluster) -> tuple[int, set[str]]:
+    """The tiny deployment's max_replicas and its running replicas' ids (0, none: not
+    deployed yet)."""
+    deployment = _serve_details(cluster)["applications"].get("tiny", {}).get(
+        "deployments", {}).get("Tiny")
+    if deployment is None:
+        return 0, set()
+    return (deployment["deployment_config"]["autoscaling_config"]["max_replicas"],
+            {r["replica_id"] for r in deployment["replicas"] if r["state"] == "RUNNING"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_serve_deployment_gives_back_replicas_for_a_waiting_job_and_gets_them_back(
+        cluster: Cluster, tmp_path: Path) -> None:
+    """Issue 29, item 4: a Serve application deployed from a config (three 2-CPU replicas,
+    autoscaling 1-3) is counted by the queue; a job needing 4 of the 8 CPUs lowers its
+    max_replicas to 2 through Serve's own config API (no preemption, no replica restarted),
+    starts once Serve stopped the third, and the ceiling goes back to 3 when it ended."""
+    import requests
+
+    from raydeck.jobs import JobServer
+
+    started_at = time.monotonic()
+    (tmp_path / "tiny_serve.py").write_text(TINY_SERVE)
+    server = JobServer.from_env(env=cluster.head.client_env)
+    config = {"applications": [{
+        "name": "tiny", "route_prefix": "/tiny", "import_path": "tiny_serve:app",
+        "runtime_env": {"env_vars": {"PYTHONPATH": str(tmp_path)}},
+        "deployments": [{"name": "Tiny", "ray_actor_options": {"num_cpus": 2},
+                         "graceful_shutdown_wait_loop_s": 0.1,
+                         "graceful_shutdown_timeout_s": 1,
+                         "autoscaling_config": {"min_replicas": 1, "max_replicas": 3,
+                                                "initial_replicas": 3}}]}]}
+    _ok(cluster.cli("queue", "--policy", "fifo"))
+    requests.put(f"{server.address}/api/serve/applications/", json=config,
+                 headers=server.headers(), timeout=60).raise_for_status()
+    try:
+        wait_until(lambda: len(_tiny(cluster)[1]) == 3, 120, "three replicas to run",
+                   interval_s=SERVER_POLL_S)
+        _, replicas = _tiny(cluster)
+        listing = _ok(cluster.cli("queue", columns=WIDE_COLUMNS))
+        assert re.search(r"serve tiny .*replicas 3 of 1-3", listing), listing
+        release = cluster.release_file("sv-job")
+        _ok(cluster.submit("sv-job", "u4", 0, "c", until=release))
+        _explained(cluster, lambda: _tiny(cluster)[0] == 2, 60,
+                   "the queue to lower tiny's max_replicas", "raydeck-sv-job")
+        _explained(cluster, lambda: "sv-job" in cluster.events(), 120,
+                   "the job to start in the room the replica freed", "raydeck-sv-job")
+        listing = _ok(cluster.cli("queue", columns=WIDE_COLUMNS))
+        assert re.search(r"serve tiny .*replicas 2 of 1-3 -> 2", listing), listing
+        release.touch()
+        _explained(cluster, lambda: bool(cluster.events()["sv-job"]["end"]), 60,
+                   "the job to end", "raydeck-sv-job")
+        _explained(cluster, lambda: _tiny(cluster)[0] == 3, 60,
+                   "the queue to raise tiny's max_replicas back", "raydeck-sv-job")
+        kept = _tiny(cluster)[1]
+        # Lowered in place: the two replicas left are two of the three there were.
+        assert len(kept) >= 2 and len(kept & replicas) >= 2, (replicas, kept)
+        assert _job_info(cluster, "raydeck-sv-job").status.value == "SUCCEEDED"
+    finally:
+        cluster.release_file("sv-job").touch()
+        requests.delete(f"{server.address}/api/serve/applications/",
+                        headers=server.headers(), timeout=60)
+        cluster.python("import ray; from ray import serve; ray.init(); serve.shutdown()")
+    _unlisted(cluster, "raydeck-sv-job")
+    print(f"\nserve shares the cluster: {time.monotonic() - started_at:.1f} s")
 
 
 @pytest.mark.slow

@@ -16,7 +16,8 @@ from raydeck.errors import ConfigError
 from raydeck.scaling import place
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.policies import Capacity, Fifo, Gang, QueuedJob, Resources, make_policy
-from raydeck.scheduling.queue import CLAIM_S, JobQueue, JobSpec, Launcher
+from raydeck.scheduling.queue import JobQueue, JobSpec, Launcher
+from raydeck.scheduling.reconcile import CLAIM_S
 from raydeck.scheduling.store import JobRow, Store
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,7 +14,8 @@ queue checks (:mod:`raydeck.scheduling.access`). Calls run concurrently
 (``max_concurrency``) with the tick: the queue's own lock is never held across a call to the
 job server or MLflow (:mod:`raydeck.scheduling.queue`), and every job-server call is bounded
 (:class:`~raydeck.scheduling.launcher.TimedLauncher`). The CLI's calls pass their job server
-(address and token), which the actor uses from then on.
+(address and token), which the actor uses from then on, for Serve's REST API on the same
+dashboard too (:class:`~raydeck.scheduling.serve_apps.RayServe`).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class QueueActor:
         from raydeck.scheduling.launcher import TimedLauncher
         from raydeck.scheduling.queue import JobQueue
         from raydeck.scheduling.ray_jobs import RayJobs
+        from raydeck.scheduling.serve_apps import RayServe
         from raydeck.scheduling.store import Store
         from raydeck.scheduling.witness import MlflowRuns
 
@@ -59,11 +61,12 @@ class QueueActor:
         url = os.environ.get(DATABASE_URL_ENV) or f"sqlite:///{settings.data_dir / 'queue.db'}"
         tracking = settings.tracking.enabled
         self._jobs = RayJobs(server)
+        self._serve = RayServe(server)
         history = MlflowHistory(settings.tracking.uri) if tracking else None
         self._queue = JobQueue(
             Store(url), TimedLauncher(self._jobs), observer=QueueMetrics(), history=history,
             run_finished=MlflowRuns(settings.tracking.uri) if tracking else None,
-            cluster=history.cluster if history is not None else None)
+            cluster=history.cluster if history is not None else None, serve=self._serve)
         self._stop = threading.Event()
         self._tick_s = settings.queue_tick_s
         threading.Thread(target=self._loop, name="raydeck-queue-tick", daemon=True).start()
@@ -83,6 +86,7 @@ class QueueActor:
         """``fn()``'s answer; ``server``: the caller's job server, used from now on."""
         if server is not None:
             self._jobs.use(server)
+            self._serve.use(server)
         try:
             return True, fn()
         except RaydeckError as exc:

@@ -43,6 +43,9 @@ class JobView:
     min_workers: int = 0
     max_workers: int = 0
     resize_to: int = 0
+    # What the size counts: a Serve deployment (raydeck.scheduling.serve_apps) counts replicas,
+    # its range its autoscaling bounds, ``resize_to`` the ceiling the queue holds it to.
+    unit: str = "workers"
 
     @classmethod
     def of(cls, row: JobRow) -> JobView:
@@ -56,8 +59,9 @@ class JobView:
     @property
     def size(self) -> str:
         """An elastic job's size in words: ``workers 1 of 1-2`` (``-> 2`` when it restarts at
-        2 from its next checkpoint); "" for a fixed gang."""
+        2 from its next checkpoint); "" for a fixed gang (a Serve deployment's: ``replicas
+        2``)."""
         if not self.max_workers:
-            return ""
+            return f"{self.unit} {self.workers}" if self.workers else ""
         resizing = f" -> {self.resize_to}" if self.resize_to else ""
-        return f"workers {self.workers} of {self.min_workers}-{self.max_workers}{resizing}"
+        return f"{self.unit} {self.workers} of {self.min_workers}-{self.max_workers}{resizing}"

@@ -43,7 +43,10 @@ job is preempted, and they are asked to grow into room no waiting job can use; e
 stops at its next checkpoint (as a victim does) and is relaunched at once at its new size
 (``<id>-r<N>``, same run). Each job's allowed size is in its row and reaches it as
 ``RAYDECK_QUEUE_WORKERS``. A growth its job does not reach at a checkpoint within
-``PREEMPT_GRACE_S`` is dropped (nothing waits on it), not forced.
+``PREEMPT_GRACE_S`` is dropped (nothing waits on it), not forced. Each Serve deployment that
+autoscales is an elastic job of its own (:mod:`raydeck.scheduling.serve_apps`): the queue lowers
+its ``max_replicas`` toward its minimum before any job is preempted and raises it when room
+returns; Serve's autoscaler decides the count within it.
 
 A job whose submission fails never holds up the queue (:mod:`raydeck.scheduling.submission`):
 the jobs behind it start in the same tick.
@@ -55,16 +58,16 @@ whole gang can be placed on what each node has free (:class:`~raydeck.scheduling
 
 Ray, not the queue, chooses each worker's node. A strict gang (``STRICT_PACK``,
 ``STRICT_SPREAD``) therefore starts alone: not while a job the queue started in the last
-``CLAIM_S`` seconds has no placement group placed by Ray yet, and nothing starts after it until
-Ray has placed its own (or ``CLAIM_S`` has passed: a job that never asks Ray for a placement
-group). Otherwise Ray may put a job started beside it on the node the gang was counted on (seen
-on two nodes: two 1-CPU jobs started in the gang's tick took its node, and it waited in Ray).
+``CLAIM_S`` seconds (:func:`~raydeck.scheduling.reconcile.claiming`) has no placement group
+placed by Ray yet, and nothing starts after it until Ray has placed its own (or ``CLAIM_S`` has
+passed: a job that never asks Ray for a placement group). Otherwise Ray may put a job started
+beside it on the node the gang was counted on (seen on two nodes: two 1-CPU jobs started in the
+gang's tick took its node, and it waited in Ray).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import logging
 import threading
 import time
@@ -72,7 +75,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from raydeck.errors import ConfigError
-from raydeck.scheduling import access, job_changes, resizing
+from raydeck.scheduling import access, job_changes, reconcile, resizing
 from raydeck.scheduling import preemption_rules as rules
 from raydeck.scheduling.config_change import ConfigChange
 from raydeck.scheduling.configuration import QueueConfig
@@ -83,23 +86,21 @@ from raydeck.scheduling.job_changes import JobChanges
 from raydeck.scheduling.job_view import JobView
 from raydeck.scheduling.jobspec import JobSpec, TeamsFile, admit
 from raydeck.scheduling.launcher import Launcher, Observer
-from raydeck.scheduling.listing import Entry, explain, held_back, predicted_starts, strict
+from raydeck.scheduling.listing import Entry, explain, held_back, predicted_starts
 from raydeck.scheduling.policies import Capacity, QueuedJob, Resources, RunningJob
 from raydeck.scheduling.reconcile import PREEMPT_GRACE_S, free_capacity, verdict
 from raydeck.scheduling.reconcile import queued as _queued
 from raydeck.scheduling.reconcile import refused as _refused
 from raydeck.scheduling.reconcile import running as _running
 from raydeck.scheduling.reconcile import told as _told
-from raydeck.scheduling.store import ACTIVE, ENDED, JobRow, Store, submission_id
+from raydeck.scheduling.serve_apps import NoServe, ServeApp, ServeApps
+from raydeck.scheduling.store import ACTIVE, ENDED, JobRow, Store, queued_row, submission_id
 from raydeck.scheduling.submission import Submitter
 from raydeck.scheduling.witness import RunFinished, witness
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ESTIMATE_S = 3600.0
-# How long a strict gang waits at most for a job started before it (or the jobs after it wait
-# for it) to be placed by Ray: a job may never ask Ray for a placement group.
-CLAIM_S = 120.0
 # How long ``raydeck queue`` keeps showing a job the job server refused (it never started).
 REFUSED_SHOWN_S = 24 * 3600.0
 # How long an ended job (and the working-dir package only it used) stays in the queue's
@@ -119,7 +120,8 @@ class JobQueue:
                  history: Callable[[str], list[float]] | None = None,
                  backoff: Backoff | None = None,
                  run_finished: RunFinished | None = None,
-                 cluster: Callable[[], list[float]] | None = None) -> None:
+                 cluster: Callable[[], list[float]] | None = None,
+                 serve: ServeApps | None = None) -> None:
         """``history(key)``: how long earlier runs of the job with that key took, newest first
         (MLflow's: :class:`raydeck.scheduling.history.MlflowHistory`); the queue's own record
         of the jobs it ran is used when it has none or fails. It is called without the queue's
@@ -129,11 +131,14 @@ class JobQueue:
         while one runs. ``run_finished``: whether a job's MLflow run ended FINISHED
         (:class:`~raydeck.scheduling.witness.MlflowRuns`), asked without the lock before a job
         the job server forgot is run again. ``cluster()``: any job's earlier durations
-        (:meth:`~raydeck.scheduling.history.MlflowHistory.cluster`), for ``gittins``."""
+        (:meth:`~raydeck.scheduling.history.MlflowHistory.cluster`), for ``gittins``.
+        ``serve``: the cluster's Serve deployments, elastic jobs of their own
+        (:mod:`raydeck.scheduling.serve_apps`; read and bounded without the lock)."""
         self._store = store
         self._run_finished = run_finished
         self._backoff = backoff or Backoff()
         self._launcher = launcher
+        self._serve = serve or NoServe()
         self._history = CachedHistory(history, cluster)  # read by gittins under the lock
         self._clock = clock
         self._observer = observer or Observer()
@@ -201,19 +206,7 @@ class JobQueue:
         self._submitter.refuse_known(spec.id, submission_id(spec.id, attempt))
         # History beats a guess: the user's estimate counts only for a job never run before.
         estimate = self.predict(spec.key) or spec.estimate_s or DEFAULT_ESTIMATE_S
-        row = JobRow(id=spec.id, team=spec.team, priority=spec.priority, cpus=spec.needs.cpus,
-                     gpus=spec.needs.gpus, preset=spec.preset, key=spec.key,
-                     entrypoint=spec.entrypoint, runtime_env=json.dumps(spec.runtime_env),
-                     metadata_json=json.dumps(spec.metadata), package_uri=spec.package_uri,
-                     estimate_s=estimate, state="queued", reason="",
-                     submitted_at=self._clock(), started_at=None, ended_at=None,
-                     attempt=attempt, preemptions=0, checkpoint_at=None, preempt_at=None,
-                     submit_failures=0, retry_at=None,
-                     workers=spec.gang.workers if spec.gang else 0,
-                     placement=spec.gang.strategy if spec.gang else "",
-                     min_workers=spec.gang.workers if spec.gang and spec.gang.elastic else 0,
-                     max_workers=spec.gang.max_workers if spec.gang else 0,
-                     user=spec.submitter.user, host=spec.submitter.host)
+        row = queued_row(spec, estimate, self._clock(), attempt)
         with self._lock:
             if package is not None and spec.package_uri:
                 self._store.add_package(spec.package_uri, package)
@@ -248,14 +241,16 @@ class JobQueue:
         queued = [_queued(r) for r in rows.values()]
         active = self._store.jobs(*ACTIVE)
         running = [_running(r, now) for r in active]
-        free, total = self._free(active)
-        claiming = self._claiming(active, queued, now)
+        apps = self._serve.read()
+        free, total = self._free(active, apps)
+        claiming = reconcile.claiming(active, queued, now, self._launcher.placed)
         with self._lock:
             ordered = self._policy.order(queued, running, now)
             policy = copy.deepcopy(self._policy)  # read without the lock below
         predicted = predicted_starts(policy, ordered, running, total, now)
         entries = explain(rows, ordered, active, running, free, claiming, self.teams_file().teams,
                           policy, predicted, now)
+        entries += [Entry(app.view(now), None, None, app.why()) for app in apps]
         entries += [Entry(JobView.of(r), None, None, r.reason) for r in self._store.jobs("failed")
                     if _refused(r) and r.ended_at is not None
                     and now - r.ended_at < REFUSED_SHOWN_S]
@@ -383,16 +378,18 @@ class JobQueue:
         queued_rows = self._store.jobs("queued")
         queued = [_queued(r) for r in queued_rows if r.retry_at is None or r.retry_at <= now]
         active = self._store.jobs(*ACTIVE)
-        if not queued and not any(r.workers < r.max_workers for r in active):
-            return []  # nothing to start, and no elastic job that could grow
+        apps = self._serve.read()
+        if not queued and not any(r.workers < r.max_workers for r in active) \
+                and not any(app.lowered for app in apps):
+            return []  # nothing to start, and no elastic job or Serve ceiling that could grow
         if self._policy.name == "gittins":  # outside the lock: MLflow may be slow
             self._history.refresh(r.key for r in [*queued_rows, *active])
         # Victims stay behind the job they were preempted for while it is queued.
         preempted_for = rules.held_back({r.id: r.preempted_for for r in [*queued_rows, *active]},
                                         {r.id for r in queued_rows})
         running = [_running(r, now) for r in active]
-        free, total = self._free(active)
-        claiming = self._claiming(active, queued, now)
+        free, total = self._free(active, apps)
+        claiming = reconcile.claiming(active, queued, now, self._launcher.placed)
         started: list[str] = []
         unstarted: set[str] = set()  # refused, or retried at a later tick
         deciding = True
@@ -434,17 +431,20 @@ class JobQueue:
                 free = left
         waiting = [job for job in queued if job.id not in started and job.id not in unstarted]
         with self._lock:
-            self._make_room(waiting, preempted_for, running, free, now)
+            ceilings = self._make_room(waiting, preempted_for, running, free, now, apps)
+        self._serve.bound(ceilings)  # Serve's API, outside the lock
         return started
 
     def _make_room(self, waiting: list[QueuedJob], preempted_for: Mapping[str, str],
-                   running: list[RunningJob], free: Capacity, now: float) -> None:
+                   running: list[RunningJob], free: Capacity, now: float,
+                   apps: list[ServeApp]) -> tuple[tuple[ServeApp, int], ...]:
         """Record what :func:`~raydeck.scheduling.resizing.make_room` decides (under the
         lock): elastic jobs to shrink, else victims to stop, for the first of ``waiting`` that
-        cannot start, each at its next checkpoint; or elastic jobs to grow at theirs."""
+        cannot start, each at its next checkpoint; or elastic jobs to grow at theirs. Returns
+        the Serve ceilings to set (``apps``: the deployments)."""
         rows = {r.id: r for r in self._store.jobs(*ACTIVE)}
         room = resizing.make_room(self._policy, waiting, preempted_for, running, rows, free.pool,
-                                  now, self._min_run_s)
+                                  now, self._min_run_s, apps)
         for job_id, size in room.resizes:
             why = (f"shrinks to {size} workers for {room.job.id} at its next checkpoint"
                    if room.job is not None else f"grows to {size} workers at its next checkpoint")
@@ -459,6 +459,7 @@ class JobQueue:
                                       f"{room.job.priority}): stops at its next checkpoint")
             self._observer.preempted(self._job(victim), now)
             logger.info("preempting %s for %s", victim, room.job.id)
+        return room.ceilings
 
     def _requeue(self, row: JobRow, now: float, why: str, preempted: bool = False) -> None:
         """Put a started job back in the queue, its place kept (same submission time; an
@@ -491,16 +492,8 @@ class JobQueue:
             raise ConfigError(f"cannot read the cluster's resources now "
                               f"({classify(exc).reason}); try again") from None
 
-    def _free(self, active: list[JobRow]) -> tuple[Capacity, Resources]:
-        """Free (per node, and a pool) and total resources (:func:`free_capacity`)."""
-        return free_capacity(*self._resources(), active)
-
-    def _claiming(self, active: list[JobRow], queued: list[QueuedJob], now: float
-                  ) -> list[QueuedJob]:
-        """The jobs started less than ``CLAIM_S`` ago that Ray has not placed yet; asked only
-        when a strict gang is queued or among them (no other start depends on it)."""
-        recent = [r for r in active
-                  if r.started_at is not None and now - r.started_at < CLAIM_S]
-        if not any(map(strict, [*queued, *map(_queued, recent)])):
-            return []
-        return [_queued(r) for r in recent if not self._launcher.placed(r.submission_id)]
+    def _free(self, active: list[JobRow], apps: list[ServeApp]) -> tuple[Capacity, Resources]:
+        """Free (per node, and a pool) and total resources (:func:`free_capacity`), ``apps``
+        Serve's deployments."""
+        return free_capacity(*self._resources(), active,
+                             Resources.total(app.holds(app.replicas) for app in apps))

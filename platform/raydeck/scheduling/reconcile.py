@@ -3,20 +3,25 @@ as the policies see them.
 
 Owns: :func:`verdict` (a pure decision: the queue applies it under its lock and makes any call
 to the job server outside it, :mod:`raydeck.scheduling.queue`), the resources a queued job may
-use (:func:`free_capacity`) and the conversions from a
-stored :class:`~raydeck.scheduling.store.JobRow` to a policy's
+use (:func:`free_capacity`), the jobs a strict gang waits for Ray to place (:func:`claiming`)
+and the conversions from a stored :class:`~raydeck.scheduling.store.JobRow` to a policy's
 :class:`~raydeck.scheduling.policies.QueuedJob` / ``RunningJob``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from raydeck.scheduling.listing import strict
 from raydeck.scheduling.policies import Capacity, QueuedJob, RunningJob
 from raydeck.scheduling.resources import Gang, Resources
 from raydeck.scheduling.store import JobRow
 
 PREEMPT_GRACE_S = 300.0
+# How long a strict gang waits at most for a job started before it (or the jobs after it wait
+# for it) to be placed by Ray: a job may never ask Ray for a placement group.
+CLAIM_S = 120.0
 TERMINAL = {"SUCCEEDED": "succeeded", "FAILED": "failed", "STOPPED": "stopped"}
 
 
@@ -107,16 +112,29 @@ def holds(row: JobRow) -> Resources:
 
 
 def free_capacity(free_nodes: tuple[Resources, ...], total_nodes: tuple[Resources, ...],
-                  active: list[JobRow]) -> tuple[Capacity, Resources]:
+                  active: list[JobRow], serving: Resources = Resources()
+                  ) -> tuple[Capacity, Resources]:
     """Free (per node, and a pool) and total resources, ``active`` being the queue's started
-    jobs: the pool is the smaller of what is free now (jobs outside the queue count) and the
-    total less what ``active`` holds (a job just started may not have claimed its own yet; an
-    elastic job asked to grow holds its new size already: the room is kept for its restart)."""
+    jobs and ``serving`` what Serve's replicas hold: the pool is the smaller of what is free now
+    (jobs outside the queue count) and the total less what ``active`` and ``serving`` hold (a
+    job just started may not have claimed its own yet; an elastic job asked to grow holds its
+    new size already: the room is kept for its restart)."""
     available, total = Resources.total(free_nodes), Resources.total(total_nodes)
-    held = Resources()
+    held = serving
     for row in active:
         held = held + holds(row)
     by_reservation = total - held
     pool = Resources(min(available.cpus, by_reservation.cpus),
                      min(available.gpus, by_reservation.gpus))
     return Capacity(pool, free_nodes), total
+
+
+def claiming(active: list[JobRow], waiting: list[QueuedJob], now: float,
+             placed: Callable[[str], bool]) -> list[QueuedJob]:
+    """The jobs of ``active`` started less than ``CLAIM_S`` ago that Ray has not ``placed``
+    yet (a launcher's call, by submission id); asked only when a strict gang is ``waiting`` or
+    among them (no other start depends on it: :func:`~raydeck.scheduling.listing.held_back`)."""
+    recent = [r for r in active if r.started_at is not None and now - r.started_at < CLAIM_S]
+    if not any(map(strict, [*waiting, *map(queued, recent)])):
+        return []
+    return [queued(r) for r in recent if not placed(r.submission_id)]

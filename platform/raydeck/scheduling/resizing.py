@@ -15,9 +15,12 @@ within the size the queue allowed (``RAYDECK_QUEUE_WORKERS``, :func:`raydeck.tra
 
 Only jobs that may be preempted (:func:`~raydeck.scheduling.preemption_rules.preemptible`: a
 checkpoint committed in this attempt, and a restarted attempt's minimum run) are resized, so a
-resize, like a preemption, never loops. A growth is counted on the pool (which nodes the job's
-workers hold is Ray's): a gang that would not be placed at its new size restarts at what Ray
-places, never above it.
+resize, like a preemption, never loops. A Serve deployment the queue may bound
+(:class:`~raydeck.scheduling.serve_apps.ServeApp`) is one more elastic job in the same rules,
+sized by its replica ceiling: its replicas above its minimum are given back first (priority 0,
+no work lost), before any job is preempted, and its ceiling is raised back last. A growth is
+counted on the pool (which nodes the job's workers hold is Ray's): a gang that would not be
+placed at its new size restarts at what Ray places, never above it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from raydeck.scheduling.policies import Capacity, Policy, QueuedJob, RunningJob
 from raydeck.scheduling.preemption_rules import preempt, preemptible
 from raydeck.scheduling.reconcile import holds
 from raydeck.scheduling.resources import Gang, Resources
+from raydeck.scheduling.serve_apps import TEAM, ServeApp
 from raydeck.scheduling.store import JobRow
 
 
@@ -102,47 +106,62 @@ def resizable(rows: Mapping[str, JobRow], running: Sequence[RunningJob]
     return found
 
 
+def serving(app: ServeApp, now: float) -> elastic.Resizable:
+    """Serve deployment ``app`` as an elastic job sized by its replicas, at most its ceiling
+    (those above it are being given back), between its floor and its own maximum; it may be
+    resized at any time (a ceiling loses no work)."""
+    size = min(app.replicas, app.ceiling)
+    piece = RunningJob(QueuedJob(app.id, TEAM, 0, app.holds(size), now, 0.0), now, now)
+    return elastic.Resizable(piece, size, elastic.Elasticity(app.max_replicas, app.floor),
+                             app.holds(app.max_replicas))
+
+
 def shrinks(policy: Policy, waiting: Sequence[QueuedJob], running: Sequence[RunningJob],
-            rows: Mapping[str, JobRow], free: Resources, now: float, min_run_s: float
+            rows: Mapping[str, JobRow], free: Resources, now: float, min_run_s: float,
+            serve: Sequence[elastic.Resizable] = ()
             ) -> tuple[QueuedJob | None, list[tuple[str, int]]]:
     """:func:`raydeck.scheduling.elastic.shrink` over the queue's running elastic jobs that may
-    be preempted (``running`` and ``free`` leave out, and count as free, what jobs already
-    stopping or shrinking give back)."""
-    return elastic.shrink(policy, waiting, running, resizable(rows, running), free, now,
-                          lambda job: preemptible(job.running, now, min_run_s))
+    be preempted and the ``serve`` deployments (:func:`serving`); ``running`` and ``free`` leave
+    out, and count as free, what jobs already stopping or shrinking give back."""
+    return elastic.shrink(policy, waiting, running, [*resizable(rows, running), *serve], free,
+                          now, lambda job: preemptible(job.running, now, min_run_s))
 
 
 def grows(policy: Policy, waiting: Sequence[QueuedJob], running: Sequence[RunningJob],
-          rows: Mapping[str, JobRow], free: Resources, now: float, min_run_s: float
-          ) -> list[tuple[str, int]]:
+          rows: Mapping[str, JobRow], free: Resources, now: float, min_run_s: float,
+          serve: Sequence[elastic.Resizable] = ()) -> list[tuple[str, int]]:
     """:func:`raydeck.scheduling.elastic.grow` over the queue's running elastic jobs that may
-    be preempted: which grow into ``free``, and to what size."""
-    return elastic.grow(policy, waiting, running, resizable(rows, running), free, now,
-                        lambda job: preemptible(job.running, now, min_run_s))
+    be preempted and the ``serve`` deployments: which grow into ``free``, and to what size."""
+    return elastic.grow(policy, waiting, running, [*resizable(rows, running), *serve], free,
+                        now, lambda job: preemptible(job.running, now, min_run_s))
 
 
 @dataclass(frozen=True)
 class Room:
     """What :func:`make_room` decided: ``resizes`` (``(id, new size)``) and ``victims`` (ids to
     stop), each at its next checkpoint, for waiting ``job``; or, with no ``job``, ``resizes``
-    that grow elastic jobs into room no waiting job can use. Empty: nothing to do."""
+    that grow elastic jobs into room no waiting job can use. ``ceilings``: Serve deployments'
+    new ``max_replicas`` (lower for ``job``, else raised). Empty: nothing to do."""
 
     job: QueuedJob | None = None
     resizes: tuple[tuple[str, int], ...] = ()
     victims: tuple[str, ...] = ()
+    ceilings: tuple[tuple[ServeApp, int], ...] = ()
 
 
 def make_room(policy: Policy, waiting: Sequence[QueuedJob], preempted_for: Mapping[str, str],
               running: Sequence[RunningJob], rows: Mapping[str, JobRow], free: Resources,
-              now: float, min_run_s: float) -> Room:
+              now: float, min_run_s: float, serve: Sequence[ServeApp] = ()) -> Room:
     """For the first of ``waiting`` (less the victims ``preempted_for`` holds back) that cannot
-    start on ``free``: shrink elastic jobs if that makes it fit (:func:`shrinks`), else stop the
-    policy's victims (:func:`~raydeck.scheduling.preemption_rules.preempt`). With nothing to
-    make room for and no job stopping or resizing (room being made belongs to the job it is
-    made for), grow elastic jobs (:func:`grows`).
+    start on ``free``: shrink elastic jobs and lower Serve ceilings if that makes it fit
+    (:func:`shrinks`), else stop the policy's victims
+    (:func:`~raydeck.scheduling.preemption_rules.preempt`). With nothing to make room for and
+    no job stopping or resizing (room being made belongs to the job it is made for), grow
+    elastic jobs and raise lowered ceilings (:func:`grows`).
 
     ``running``: the started jobs as the policy sees them, ``rows`` the queue's active rows by
-    id; a job asked to stop counts as gone, one asked to shrink as its new size.
+    id; a job asked to stop counts as gone, one asked to shrink as its new size; ``serve``: the
+    cluster's Serve deployments (their replicas above a lowered ceiling count as given back).
     """
     stopping = {job_id for job_id, row in rows.items() if row.state == "preempting"}
     pool = free
@@ -150,15 +169,31 @@ def make_room(policy: Policy, waiting: Sequence[QueuedJob], preempted_for: Mappi
         row = rows[job_id]
         kept = row.sized(row.resize_to) if row.resize_to else {}
         pool = pool + holds(row) - Resources(kept.get("cpus", 0.0), kept.get("gpus", 0.0))
+    apps = {app.id: app for app in serve if app.elastic}
+    for app in apps.values():
+        pool = pool + app.holds(max(app.replicas - app.ceiling, 0))
     others = [piece for piece in running if piece.job.id not in stopping]
     queue = [job for job in waiting if job.id not in preempted_for]
     if queue:
-        head, shrunk = shrinks(policy, queue, others, rows, pool, now, min_run_s)
+        head, shrunk = shrinks(policy, queue, others, rows, pool, now, min_run_s,
+                               [serving(app, now) for app in apps.values()])
         if shrunk:
-            return Room(head, tuple(shrunk))
+            resizes, lowered = _split(shrunk, apps)
+            return Room(head, resizes, ceilings=lowered)
         decision = preempt(policy, queue, others, pool, now, min_run_s)
         if decision is not None:
             return Room(decision.job, victims=tuple(v.job.id for v in decision.victims))
     if stopping or preempted_for:
         return Room()
-    return Room(resizes=tuple(grows(policy, queue, others, rows, pool, now, min_run_s)))
+    grown = grows(policy, queue, others, rows, pool, now, min_run_s,
+                  [serving(app, now) for app in apps.values() if app.lowered])
+    resizes, ceilings = _split(grown, apps)
+    return Room(resizes=resizes, ceilings=tuple((app, size) for app, size in ceilings
+                                                if size > app.ceiling))
+
+
+def _split(sizes: Sequence[tuple[str, int]], apps: Mapping[str, ServeApp]
+           ) -> tuple[tuple[tuple[str, int], ...], tuple[tuple[ServeApp, int], ...]]:
+    """``sizes`` as ``(job resizes, Serve ceilings)``: the ids of ``apps`` are deployments."""
+    return (tuple((job_id, size) for job_id, size in sizes if job_id not in apps),
+            tuple((apps[job_id], size) for job_id, size in sizes if job_id in apps))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from sqlalchemy import (
     CursorResult,
@@ -29,6 +29,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.schema import CreateColumn
+
+if TYPE_CHECKING:
+    from raydeck.scheduling.jobspec import JobSpec
 
 # A ``preempting`` job still holds its resources: it was asked to stop at its next checkpoint.
 ACTIVE = ("starting", "running", "preempting")
@@ -111,6 +114,23 @@ class JobRow(_Base):
         size = self.min_workers if workers is None else workers
         return {"workers": size, "cpus": self.cpus / self.workers * size,
                 "gpus": self.gpus / self.workers * size}
+
+
+def queued_row(spec: JobSpec, estimate_s: float, now: float, attempt: int) -> JobRow:
+    """The row of ``spec`` queued at ``now`` as attempt ``attempt`` (an elastic gang at its
+    minimum), expected to run ``estimate_s``."""
+    gang = spec.gang
+    return JobRow(id=spec.id, team=spec.team, priority=spec.priority, cpus=spec.needs.cpus,
+                  gpus=spec.needs.gpus, preset=spec.preset, key=spec.key,
+                  entrypoint=spec.entrypoint, runtime_env=json.dumps(spec.runtime_env),
+                  metadata_json=json.dumps(spec.metadata), package_uri=spec.package_uri,
+                  estimate_s=estimate_s, state="queued", reason="", submitted_at=now,
+                  started_at=None, ended_at=None, attempt=attempt, preemptions=0,
+                  checkpoint_at=None, preempt_at=None, submit_failures=0, retry_at=None,
+                  workers=gang.workers if gang else 0, placement=gang.strategy if gang else "",
+                  min_workers=gang.workers if gang and gang.elastic else 0,
+                  max_workers=gang.max_workers if gang else 0,
+                  user=spec.submitter.user, host=spec.submitter.host)
 
 
 def submission_id(job_id: str, attempt: int) -> str:
