@@ -118,15 +118,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+# The SIGINT handler of the test process before anything ran (Python's: KeyboardInterrupt).
+_SIGINT_HANDLER = signal.getsignal(signal.SIGINT)
+
+
 @pytest.fixture(autouse=True)
 def _sigint_handler_restored() -> Iterator[None]:
-    """Put pytest's SIGINT handler back after each test. A ``TorchTrainer.fit()`` in the test
-    process installs Ray Train's handler, whose closure holds the run's controller: that actor
-    (and the dataset manager it made) lived on, idle, until the next in-process fit."""
-    handler = signal.getsignal(signal.SIGINT)
+    """Put the session's SIGINT handler back after each test. A ``TorchTrainer.fit()`` in the
+    test process installs Ray Train's handler, whose closure holds the run's controller: that
+    actor (and the dataset manager it made) lived on, idle, until the next in-process fit. The
+    handler restored is the one from before the session, not the one at the test's start: a
+    fit in a module fixture (the serving module's model) runs before this fixture's start."""
     yield
-    if signal.getsignal(signal.SIGINT) is not handler:
-        signal.signal(signal.SIGINT, handler)
+    if signal.getsignal(signal.SIGINT) is not _SIGINT_HANDLER:
+        signal.signal(signal.SIGINT, _SIGINT_HANDLER)
 
 
 @pytest.fixture(scope="session")
