@@ -32,6 +32,7 @@ from raydeck.preemption import QUEUE_ACTOR_NAME
 from raydeck.scheduling.config_change import ConfigChange
 from raydeck.scheduling.identity import Identity
 from raydeck.scheduling.launcher import Observer
+from raydeck.scheduling.serve_apps import RayServe
 
 if TYPE_CHECKING:  # the queue's clients import this module without SQLAlchemy (job_view.py)
     from raydeck.scheduling.store import JobRow
@@ -51,7 +52,6 @@ class QueueActor:
         from raydeck.scheduling.launcher import TimedLauncher
         from raydeck.scheduling.queue import JobQueue
         from raydeck.scheduling.ray_jobs import RayJobs
-        from raydeck.scheduling.serve_apps import RayServe
         from raydeck.scheduling.store import Store
         from raydeck.scheduling.witness import MlflowRuns
 

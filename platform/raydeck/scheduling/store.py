@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from sqlalchemy import (
     CursorResult,
@@ -30,8 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.schema import CreateColumn
 
-if TYPE_CHECKING:
-    from raydeck.scheduling.jobspec import JobSpec
+from raydeck.scheduling.jobspec import JobSpec
 
 # A ``preempting`` job still holds its resources: it was asked to stop at its next checkpoint.
 ACTIVE = ("starting", "running", "preempting")
