@@ -36,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import requests
+
 from raydeck.errors import ConfigError
 from raydeck.jobs import JobServer
 from raydeck.preemption import KV_NAMESPACE
@@ -241,8 +243,6 @@ class RayServe(ServeApps):
         self._server = server
 
     def _request(self, method: str, body: Mapping[str, Any] | None = None) -> Any:
-        import requests
-
         response = requests.request(method, self._server.address.rstrip("/") + SERVE_PATH,
                                     json=body, headers=self._server.headers(),
                                     timeout=REQUEST_TIMEOUT_S)
