@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cached_property
@@ -54,6 +55,8 @@ PRESETS = {
     "e3": {"num_workers": [1, 2], "cpus_per_worker": 3},
     "h5": {"num_workers": 1, "cpus_per_worker": 5},
     "u4": {"num_workers": 1, "cpus_per_worker": 4},
+    # The Serve test's: three 2-CPU replicas.
+    "v2": {"num_workers": 3, "cpus_per_worker": 2},
 }
 REPO = Path(__file__).resolve().parents[1]
 TEAMS = {"a": {"cpus": 3}, "b": {"weight": 2}, "c": {}}
@@ -663,18 +666,15 @@ def test_an_elastic_job_starts_small_grows_when_a_holder_ends_and_shrinks_for_a_
 
 # A terminal wide enough for a Serve row of `raydeck queue` on one line.
 WIDE_COLUMNS = 400
-TINY_SERVE = """
-from ray import serve
 
 
-@serve.deployment
-class Tiny:
-    def __call__(self, request):
-        return "ok"
+def _predict(url: str) -> float:
+    """The summer model's answer for one row [1, 2]."""
+    import requests
 
-
-app = Tiny.bind()
-"""
+    answer = requests.post(url, json={"inputs": [[1.0, 2.0]]}, timeout=30)
+    answer.raise_for_status()
+    return float(answer.json()["predictions"][0])
 
 
 def _serve_details(cluster: Cluster) -> dict[str, Any]:
@@ -690,70 +690,66 @@ def _serve_details(cluster: Cluster) -> dict[str, Any]:
     return dict(answer.json())
 
 
-def _tiny(cluster: Cluster) -> tuple[int, set[str]]:
-    """The tiny deployment's max_replicas and its running replicas' ids (0, none: not
-    deployed yet)."""
-    deployment = _serve_details(cluster)["applications"].get("tiny", {}).get(
-        "deployments", {}).get("Tiny")
+def _served(cluster: Cluster, app: str) -> tuple[int, set[str]]:
+    """``raydeck serve``'s deployment's max_replicas and the ids of its replicas that are not
+    stopping (0, none: not deployed yet)."""
+    deployment = _serve_details(cluster)["applications"].get(app, {}).get(
+        "deployments", {}).get("ModelServer")
     if deployment is None:
         return 0, set()
     return (deployment["deployment_config"]["autoscaling_config"]["max_replicas"],
-            {r["replica_id"] for r in deployment["replicas"] if r["state"] == "RUNNING"})
+            {r["replica_id"] for r in deployment["replicas"] if r["state"] != "STOPPING"})
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_serve_deployment_gives_back_replicas_for_a_waiting_job_and_gets_them_back(
-        cluster: Cluster, tmp_path: Path) -> None:
-    """Issue 29, item 4: a Serve application deployed from a config (three 2-CPU replicas,
-    autoscaling 1-3) is counted by the queue; a job needing 4 of the 8 CPUs lowers its
-    max_replicas to 2 through Serve's own config API (no preemption, no replica restarted),
-    starts once Serve stopped the third, and the ceiling goes back to 3 when it ended."""
-    import requests
-
-    from raydeck.jobs import JobServer
+def test_a_served_model_gives_back_replicas_for_a_waiting_job_and_gets_them_back(
+        cluster: Cluster, tmp_path: Path, mlflow_client: Any) -> None:
+    """Issue 29, item 4: `raydeck serve --autoscale 1:3` (three 2-CPU replicas) is counted by
+    the queue; a job needing 4 of the 8 CPUs lowers its max_replicas to 2 through Serve's own
+    config API (no preemption, no replica restarted), starts once Serve stopped the third,
+    and the ceiling goes back to 3 when it ended; the model answers throughout."""
+    from tests.fixtures.processes import free_port
+    from tests.fixtures.summer_model import SUMMER_CODE, register_summer
 
     started_at = time.monotonic()
-    (tmp_path / "tiny_serve.py").write_text(TINY_SERVE)
-    server = JobServer.from_env(env=cluster.head.client_env)
-    config = {"applications": [{
-        "name": "tiny", "route_prefix": "/tiny", "import_path": "tiny_serve:app",
-        "runtime_env": {"env_vars": {"PYTHONPATH": str(tmp_path)}},
-        "deployments": [{"name": "Tiny", "ray_actor_options": {"num_cpus": 2},
-                         "graceful_shutdown_wait_loop_s": 0.1,
-                         "graceful_shutdown_timeout_s": 1,
-                         "autoscaling_config": {"min_replicas": 1, "max_replicas": 3,
-                                                "initial_replicas": 3}}]}]}
+    code = tmp_path / "summer_model.py"
+    code.write_text(SUMMER_CODE)
+    app = f"summer-{uuid.uuid4().hex[:6]}"
+    assert register_summer(mlflow_client.tracking_uri, app, code, tmp_path / "down") == "1"
+    port = free_port()
     _ok(cluster.cli("queue", "--policy", "fifo"))
-    requests.put(f"{server.address}/api/serve/applications/", json=config,
-                 headers=server.headers(), timeout=60).raise_for_status()
+    _ok(cluster.cli("serve", f"models:/{app}/1", "--preset", "v2", "--autoscale", "1:3",
+                    "--port", str(port), "--detach"))
+    url = f"http://127.0.0.1:{port}/invocations"
     try:
-        wait_until(lambda: len(_tiny(cluster)[1]) == 3, 120, "three replicas to run",
-                   interval_s=SERVER_POLL_S)
-        _, replicas = _tiny(cluster)
+        _, replicas = _served(cluster, app)
+        assert len(replicas) == 3, replicas
         listing = _ok(cluster.cli("queue", columns=WIDE_COLUMNS))
-        assert re.search(r"serve tiny .*replicas 3 of 1-3", listing), listing
+        assert re.search(rf"serve {app} .*replicas 3 of 1-3", listing), listing
         release = cluster.release_file("sv-job")
         _ok(cluster.submit("sv-job", "u4", 0, "c", until=release))
-        _explained(cluster, lambda: _tiny(cluster)[0] == 2, 60,
-                   "the queue to lower tiny's max_replicas", "raydeck-sv-job")
+        _explained(cluster, lambda: _served(cluster, app)[0] == 2, 60,
+                   "the queue to lower the served model's max_replicas", "raydeck-sv-job")
         _explained(cluster, lambda: "sv-job" in cluster.events(), 120,
                    "the job to start in the room the replica freed", "raydeck-sv-job")
         listing = _ok(cluster.cli("queue", columns=WIDE_COLUMNS))
-        assert re.search(r"serve tiny .*replicas 2 of 1-3 -> 2", listing), listing
+        assert re.search(rf"serve {app} .*replicas 2 of 1-3 -> 2", listing), listing
+        # Lowered once, in place: two of the first three replicas serve, none started since.
+        assert _served(cluster, app)[1] <= replicas
+        assert _predict(url) == 3.0
         release.touch()
         _explained(cluster, lambda: bool(cluster.events()["sv-job"]["end"]), 60,
                    "the job to end", "raydeck-sv-job")
-        _explained(cluster, lambda: _tiny(cluster)[0] == 3, 60,
-                   "the queue to raise tiny's max_replicas back", "raydeck-sv-job")
-        kept = _tiny(cluster)[1]
-        # Lowered in place: the two replicas left are two of the three there were.
-        assert len(kept) >= 2 and len(kept & replicas) >= 2, (replicas, kept)
+        _explained(cluster, lambda: _served(cluster, app)[0] == 3, 60,
+                   "the queue to raise the served model's max_replicas back", "raydeck-sv-job")
+        # Raised in place: the two replicas kept are still there, beside the one it started.
+        assert len(_served(cluster, app)[1] & replicas) == 2
         assert _job_info(cluster, "raydeck-sv-job").status.value == "SUCCEEDED"
+        assert _predict(url) == 3.0
     finally:
         cluster.release_file("sv-job").touch()
-        requests.delete(f"{server.address}/api/serve/applications/",
-                        headers=server.headers(), timeout=60)
+        cluster.cli("serve", "--stop", "--name", app)
         cluster.python("import ray; from ray import serve; ray.init(); serve.shutdown()")
     _unlisted(cluster, "raydeck-sv-job")
     print(f"\nserve shares the cluster: {time.monotonic() - started_at:.1f} s")

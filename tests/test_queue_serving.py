@@ -9,9 +9,10 @@ The real :class:`JobQueue` on the fake job server (one node, 4 CPUs) with Serve 
 (:class:`FakeServe`: replicas hold CPUs of that node; a lowered ceiling takes replicas away when
 the test lets Serve's controller act, :meth:`FakeServe.settle`); the config the queue deploys to
 bound a deployment, from Serve's own ``GET /api/serve/applications/`` answer
-(:func:`~raydeck.scheduling.serve_apps.bounded_config`). tests/test_queue.py's
-``test_a_serve_deployment_gives_back_replicas_for_a_waiting_job_and_gets_them_back`` does it on
-Ray.
+(:func:`~raydeck.scheduling.serve_apps.bounded_config`), and the config ``raydeck serve`` deploys
+(:func:`~raydeck.serve_configs.with_application`). tests/test_queue.py's
+``test_a_served_model_gives_back_replicas_for_a_waiting_job_and_gets_them_back`` does it on
+Ray, with ``raydeck serve --autoscale``.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from raydeck.scheduling.serve_apps import (
     bounded_config,
 )
 from raydeck.scheduling.store import Store
+from raydeck.serve_configs import deployed_config, with_application
 from tests.fixtures.fake_job_server import NODE_CPUS, FakeJobServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -42,8 +44,9 @@ HOUR = 3600.0
 
 
 class FakeServe(ServeApps):
-    """Serve's deployments in memory: ``limit`` sets a ceiling as Serve's config would, and
-    the replicas over it stop when the controller acts (:meth:`settle`)."""
+    """Serve's deployments in memory: ``limit`` sets a ceiling as Serve's config would, the
+    replicas over it are stopping at once (as Serve marks them), and they are gone, their
+    resources freed, when their graceful shutdown ends (:meth:`settle`)."""
 
     def __init__(self, *apps: ServeApp) -> None:
         self.apps = {app.app: app for app in apps}
@@ -54,14 +57,17 @@ class FakeServe(ServeApps):
 
     def limit(self, app: ServeApp, ceiling: int) -> None:
         self.limits.append((app.app, ceiling))
-        self.apps[app.app] = dataclasses.replace(self.apps[app.app], ceiling=ceiling)
+        now = self.apps[app.app]
+        self.apps[app.app] = dataclasses.replace(
+            now, ceiling=ceiling, replicas=min(now.replicas, ceiling),
+            stopping=now.stopping + max(now.replicas - ceiling, 0))
 
     def settle(self) -> None:
         for name, app in self.apps.items():
-            self.apps[name] = dataclasses.replace(app, replicas=min(app.replicas, app.ceiling))
+            self.apps[name] = dataclasses.replace(app, stopping=0)
 
     def used(self) -> float:
-        return sum(app.holds(app.replicas).cpus for app in self.apps.values())
+        return sum(app.holds(app.replicas + app.stopping).cpus for app in self.apps.values())
 
 
 class Cluster(FakeJobServer):
@@ -121,9 +127,11 @@ def test_a_serve_ceiling_is_lowered_before_any_job_is_preempted_and_raised_when_
     assert queue.tick() == []
     assert serve.limits == [("digits", 1)]
     assert _entry(queue, "L").job.state == "running"
-    assert _entry(queue, "serve digits").job.size == "replicas 2 of 1-3 -> 1"
-    # While Serve stops the replica, its room counts as given back: nothing more is asked.
-    assert queue.tick() == [] and serve.limits == [("digits", 1)]
+    assert _entry(queue, "serve digits").job.size == "replicas 1 of 1-3 -> 1"
+    # While Serve stops the replica (Ray still holds its CPU), its room counts as given back:
+    # nothing more is asked, no ceiling raised, and U starts once Ray has the CPU.
+    for _ in range(3):
+        assert queue.tick() == [] and serve.limits == [("digits", 1)]
     assert _entry(queue, "L").job.state == "running"
     serve.settle()
     server.unclaimed.add("U")
@@ -204,7 +212,9 @@ def test_serve_applications_are_read_from_serves_answer_and_bounded_through_its_
                        coded=_application("declarative", scaling, 1, other_config),
                        local=_application("imperative", scaling, 3))
     digits, other, coded, local = applications(details, {("digits", "ModelServer"): 6})
-    assert digits == ServeApp("digits", "ModelServer", 2, Resources(cpus=0.5), 1, 6, 4, True)
+    # Its stopping replica is not among its replicas: it holds its CPU only until it exits.
+    assert digits == ServeApp("digits", "ModelServer", 2, Resources(cpus=0.5), 1, 6, 4, True,
+                              stopping=1)
     assert digits.lowered and digits.holds(2) == Resources(cpus=1.0)
     assert (other.max_replicas, other.elastic, other.replicas) == (0, False, 1)
     # Autoscaling in its code, or deployed with serve.run: no config of it to change.
@@ -227,3 +237,22 @@ def test_serve_applications_are_read_from_serves_answer_and_bounded_through_its_
     assert {key: config[key] for key in ("proxy_location", "http_options")} == {
         "proxy_location": "EveryNode", "http_options": {"host": "0.0.0.0", "port": 8000}}
     assert "target_capacity" not in config
+
+
+def test_an_application_deployed_from_a_config_joins_the_others_or_replaces_its_own(
+        ) -> None:
+    """What `raydeck serve` sends Serve: every application deployed from a config as it is,
+    with the new one added after them, or in its own place when one of its name exists;
+    serve.run's applications are not part of Serve's config."""
+    digits_config = {"name": "digits", "import_path": "raydeck.serving.app:app_builder",
+                     "args": {"model_uri": "models:/digits/1"}}
+    details = _details(digits=_application("declarative", None, 1, digits_config),
+                       local=_application("imperative", None, 1))
+    fresh = {"name": "fresh", "import_path": "raydeck.serving.app:app_builder", "args": {}}
+    assert with_application(details, fresh)["applications"] == [digits_config, fresh]
+    moved = {**digits_config, "args": {"model_uri": "models:/digits/2"}}
+    config = with_application(details, moved)
+    assert config["applications"] == [moved]
+    assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
+    assert deployed_config(details, "local") is None
+    assert deployed_config(details, "digits") == digits_config

@@ -531,12 +531,27 @@ def test_requests_that_queue_behind_a_prediction_are_predicted_together_next(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_stop_deletes_the_application(served: Served) -> None:
+def test_stop_deletes_the_application(served: Served, raydeck_env: dict[str, str]) -> None:
+    """`raydeck serve` deployed it from a config (what lets the queue bound its replicas) that
+    names where its settings are, not what they are; `--stop` deletes both."""
     from ray import serve
+    from ray.experimental.internal_kv import _internal_kv_exists
+    from ray.serve.context import _get_global_client
 
+    from raydeck.preemption import KV_NAMESPACE
+
+    client = _get_global_client()
+    assert client is not None
+    app = client.get_serve_details()["applications"][served.name]
+    assert app["source"] == "declarative"
+    key = app["deployed_app_config"]["args"]["settings_key"]
+    assert key.startswith(f"serve-settings:{served.name}:"), key
+    assert _internal_kv_exists(key, namespace=KV_NAMESPACE)
+    assert raydeck_env["RAYDECK_TRACKING_URI"] not in json.dumps(app)
     stopped = _cli("serve", "--stop", "--name", served.name, env=served.env)
     assert stopped.returncode == 0, stopped.stderr
     assert served.name not in serve.status().applications
+    assert not _internal_kv_exists(key, namespace=KV_NAMESPACE)
     again = _cli("serve", "--stop", "--name", served.name, env=served.env)
     assert again.returncode == 2 and "no Serve application" in again.stderr
 

@@ -13,18 +13,19 @@ takes effect at the controller's next step (bounds skip the autoscaler's downsca
 What the queue controls, and what it does not: Serve's autoscaler decides the replica count, on
 request load, between the deployment's minimum and the queue's ceiling; the queue only moves
 that ceiling, between the deployment's own ``max_replicas`` and ``max(min_replicas, 1)`` (never
-below one replica), and only for a deployment whose config (``serve deploy``, ``raydeck serve
---config-out``) gives it an ``autoscaling_config``. It never stops a replica itself, never
-touches a fixed ``num_replicas``, an application deployed with ``serve.run`` or a deployment
-whose autoscaling is in its code (Serve has no call that changes the bounds of those without
-restarting them or the code that built them: they are counted, as every replica is, and
-shown), and does not model request load. The deployment's own ``max_replicas``
-is kept in Ray's KV (``serve-bound:<app>/<deployment>``, its whole ``autoscaling_config``) while
-the queue holds it lower, and comes back as it was; a config deployed meanwhile with another
-``max_replicas`` is the new own bound. An ``initial_replicas`` over a lowered ceiling is lowered
-with it (Serve refuses it over ``max_replicas``, and a config Serve fails to apply takes the
-deployment down: each is checked with Serve's own ``AutoscalingConfig`` before it is sent).
-The decisions are :func:`raydeck.scheduling.resizing.make_room`'s.
+below one replica), and only for a deployment whose config (``raydeck serve --autoscale``,
+which deploys from a config, or ``serve deploy``) gives it an ``autoscaling_config``. It never
+stops a replica itself, never touches a fixed ``num_replicas``, an application deployed with
+``serve.run`` or a deployment whose autoscaling is in its code (Serve has no call that changes
+the bounds of those without restarting them or the code that built them: they are counted, as
+every replica is, and shown), and does not model request load. The deployment's own
+``max_replicas`` is kept in Ray's KV (``serve-bound:<app>/<deployment>``, its whole
+``autoscaling_config``) while the queue holds it lower, and comes back as it was; a config
+deployed meanwhile with another ``max_replicas`` is the new own bound. An ``initial_replicas``
+over a lowered ceiling is lowered with it (Serve refuses it over ``max_replicas``, and a config
+Serve fails to apply takes the deployment down: each is checked with Serve's own
+``AutoscalingConfig`` before it is sent). The decisions are
+:func:`raydeck.scheduling.resizing.make_room`'s.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from raydeck.preemption import KV_NAMESPACE
 from raydeck.scheduling.failures import classify
 from raydeck.scheduling.job_view import JobView
 from raydeck.scheduling.resources import Resources
+from raydeck.serve_configs import deployed_config, with_application
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,9 @@ class ServeApp:
     ``min_replicas``-``max_replicas`` its own autoscaling bounds (both 0: a fixed count) and
     ``ceiling`` the ``max_replicas`` Serve has now (lower than its own when the queue lowered
     it); ``bounded``: its config (``serve deploy``) gives it an ``autoscaling_config``, which
-    the queue may send back with another ``max_replicas``."""
+    the queue may send back with another ``max_replicas``; ``stopping``: replicas Serve is
+    stopping (a graceful shutdown of seconds), which hold their resources in Ray until they
+    exit and are not among ``replicas``."""
 
     app: str
     deployment: str
@@ -75,6 +79,7 @@ class ServeApp:
     ceiling: int = 0
     bounded: bool = False
     only_deployment: bool = True
+    stopping: int = 0
 
     @property
     def id(self) -> str:
@@ -138,17 +143,20 @@ def applications(details: Mapping[str, Any], own: Mapping[tuple[str, str], int]
                     if replica.get("state") in _LIVE),
                 Resources.of_node(detail.get("required_resources") or {}),
                 int(scaling.get("min_replicas", 0)), own.get((name, deployment), ceiling),
-                ceiling, _scaling(app, deployment) is not None, len(deployments) == 1))
+                ceiling, _scaling(details, name, deployment) is not None,
+                len(deployments) == 1,
+                sum(1 for replica in detail.get("replicas") or []
+                    if replica.get("state") == "STOPPING")))
     return found
 
 
-def _scaling(app: Mapping[str, Any], deployment: str) -> dict[str, Any] | None:
+def _scaling(details: Mapping[str, Any], app: str, deployment: str) -> dict[str, Any] | None:
     """The ``autoscaling_config`` ``app``'s config gives ``deployment``, or None when there is
     none for the queue to bound: an application deployed with ``serve.run`` (no config), or a
     config that leaves the deployment's scaling to its code (Serve counts an added
     ``autoscaling_config`` entry as new code: the application would restart)."""
-    config = app.get("deployed_app_config")
-    if app.get("source") != "declarative" or not config:
+    config = deployed_config(details, app)
+    if config is None:
         return None
     entry: dict[str, Any] = next(
         (d for d in config.get("deployments") or [] if d.get("name") == deployment), {})
@@ -169,24 +177,14 @@ def bounded(scaling: Mapping[str, Any], ceiling: int) -> dict[str, Any]:
 
 def bounded_config(details: Mapping[str, Any], app: ServeApp, scaling: Mapping[str, Any]
                    ) -> dict[str, Any]:
-    """The config deployed now (every application deployed from a config: Serve deletes those a
-    ``PUT`` leaves out), with ``app``'s deployment's ``autoscaling_config`` replaced by
-    ``scaling`` and nothing else changed (the entries in their order: Serve's code version of
-    the application reads them in order, and a new one would restart its replicas)."""
-    configs = []
-    for name, detail in (details.get("applications") or {}).items():
-        config = detail.get("deployed_app_config")
-        if detail.get("source") != "declarative" or not config:
-            continue
-        if name == app.app:
-            config = {**config, "deployments": [
-                {**entry, "autoscaling_config": dict(scaling)}
-                if entry.get("name") == app.deployment else entry
-                for entry in config["deployments"]]}
-        configs.append(config)
-    return {"applications": configs,
-            **{key: details[key] for key in ("proxy_location", "http_options", "grpc_options",
-                                             "target_capacity") if details.get(key) is not None}}
+    """The config deployed now, with ``app``'s deployment's ``autoscaling_config`` replaced by
+    ``scaling`` and nothing else changed (:func:`raydeck.serve_configs.with_application`)."""
+    config = deployed_config(details, app.app)
+    assert config is not None, f"{app.id} has no config"
+    return with_application(details, {**config, "deployments": [
+        {**entry, "autoscaling_config": dict(scaling)}
+        if entry.get("name") == app.deployment else entry
+        for entry in config["deployments"]]})
 
 
 class ServeApps(abc.ABC):
@@ -280,7 +278,7 @@ class RayServe(ServeApps):
 
         details = self._request("GET")  # what is deployed now: the PUT sends it back
         own = self._own(details).get((app.app, app.deployment)) or _scaling(
-            details["applications"][app.app], app.deployment)
+            details, app.app, app.deployment)
         if own is None:
             raise ConfigError(f"{app.id} has no autoscaling_config in its config to bound")
         scaling = bounded(own, ceiling)

@@ -364,7 +364,7 @@ def _fit_distributed(job: SweepJob, config: SweepConfig, trial_config: dict[str,
 
     from raydeck.checkpointing import log_points
     from raydeck.storage import checkpoint_storage
-    from raydeck.training import torch_config
+    from raydeck.training import torch_config, within_queue
 
     reports: Any = Queue(maxsize=1, actor_options={"num_cpus": 0})
     outcome: dict[str, Any] = {}
@@ -372,7 +372,9 @@ def _fit_distributed(job: SweepJob, config: SweepConfig, trial_config: dict[str,
     trainer = TorchTrainer(
         job.train_fn,
         train_loop_config={**trial_config, "data": data},
-        scaling_config=preset.scaling_config(),
+        # An elastic preset's range, kept within the workers the queue allows the sweep's job
+        # (as raydeck.training.fit keeps a training job's).
+        scaling_config=within_queue(preset.scaling_config()),
         torch_config=torch_config(preset.scaling_config()),
         run_config=trial.tracker().run_config(
             **checkpoint_storage(settings).run_config_kwargs(),
