@@ -496,4 +496,5 @@ class JobQueue:
         """Free (per node, and a pool) and total resources (:func:`free_capacity`), ``apps``
         Serve's deployments."""
         return free_capacity(*self._resources(), active,
-                             Resources.total(app.holds(app.replicas) for app in apps))
+                             Resources.total(app.holds(app.replicas) for app in apps),
+                             Resources.total(app.holds(app.stopping) for app in apps))

@@ -112,14 +112,18 @@ def holds(row: JobRow) -> Resources:
 
 
 def free_capacity(free_nodes: tuple[Resources, ...], total_nodes: tuple[Resources, ...],
-                  active: list[JobRow], serving: Resources = Resources()
-                  ) -> tuple[Capacity, Resources]:
+                  active: list[JobRow], serving: Resources = Resources(),
+                  releasing: Resources = Resources()) -> tuple[Capacity, Resources]:
     """Free (per node, and a pool) and total resources, ``active`` being the queue's started
-    jobs and ``serving`` what Serve's replicas hold: the pool is the smaller of what is free now
-    (jobs outside the queue count) and the total less what ``active`` and ``serving`` hold (a
-    job just started may not have claimed its own yet; an elastic job asked to grow holds its
-    new size already: the room is kept for its restart)."""
-    available, total = Resources.total(free_nodes), Resources.total(total_nodes)
+    jobs, ``serving`` what Serve's live replicas hold and ``releasing`` what the replicas Serve
+    is stopping hold until they exit: the pool is the smaller of what is free now, with
+    ``releasing`` (jobs outside the queue count), and the total less what ``active`` and
+    ``serving`` hold (a job just started may not have claimed its own yet; an elastic job asked
+    to grow holds its new size already: the room is kept for its restart). A stopping replica's
+    room is so the next job's, once: counted again as given back, it would make a ceiling be
+    lowered twice for one job, or raised into the room of the job it was lowered for."""
+    available = Resources.total(free_nodes) + releasing
+    total = Resources.total(total_nodes)
     held = serving
     for row in active:
         held = held + holds(row)

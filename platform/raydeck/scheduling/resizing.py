@@ -161,9 +161,9 @@ def make_room(policy: Policy, waiting: Sequence[QueuedJob], preempted_for: Mappi
 
     ``running``: the started jobs as the policy sees them, ``rows`` the queue's active rows by
     id; a job asked to stop counts as gone, one asked to shrink as its new size; ``serve``: the
-    cluster's Serve deployments (their replicas above a lowered ceiling, and those Serve is
-    stopping, count as given back: Ray frees them within the replicas' graceful shutdown, and
-    asking again meanwhile would lower a ceiling twice for one job).
+    cluster's Serve deployments (their replicas above a lowered ceiling count as given back;
+    those Serve is stopping are in ``free`` already: :func:`~raydeck.scheduling.reconcile.
+    free_capacity`).
     """
     stopping = {job_id for job_id, row in rows.items() if row.state == "preempting"}
     pool = free
@@ -171,8 +171,6 @@ def make_room(policy: Policy, waiting: Sequence[QueuedJob], preempted_for: Mappi
         row = rows[job_id]
         kept = row.sized(row.resize_to) if row.resize_to else {}
         pool = pool + holds(row) - Resources(kept.get("cpus", 0.0), kept.get("gpus", 0.0))
-    for app in serve:
-        pool = pool + app.holds(app.stopping)
     apps = {app.id: app for app in serve if app.elastic}
     for app in apps.values():
         pool = pool + app.holds(max(app.replicas - app.ceiling, 0))
