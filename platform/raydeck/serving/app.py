@@ -115,17 +115,16 @@ def deploy(options: ServeOptions, settings: Settings) -> ModelRef:
     from raydeck.models import resolve_model_uri
 
     ref = resolve_model_uri(options.model_uri, settings.tracking.uri)
-    options.deployment_options(settings)  # the preset exists
+    # An unknown preset fails here, before anything reaches Ray.
+    (application,) = serve_config(options, settings)["applications"]
     connect(settings, log_to_driver=False)
     serve.start(http_options={"host": options.host, "port": options.port})
     client = _get_global_client()
     assert client is not None, "serve.start() made Serve's client"
-    key = _store_settings(options.name, settings)
-    config = serve_config(options, settings, settings_key=key)
+    key = application["args"][SETTINGS_ARG] = _store_settings(options.name, settings)
     details = client.get_serve_details()
-    replaced = _replaced(details, config["applications"][0])
-    client.deploy_apps(ServeDeploySchema.model_validate(
-        with_application(details, config["applications"][0])))
+    replaced = _replaced(details, application)
+    client.deploy_apps(ServeDeploySchema.model_validate(with_application(details, application)))
     _wait_running(client, options.name, replaced)
     _drop_settings(options.name, keep=key)
     return ref
@@ -185,6 +184,11 @@ def _replaced(details: dict[str, Any], config: dict[str, Any]) -> set[str]:
             ServeApplicationSchema.model_validate(deployed)) == get_app_code_version(
             ServeApplicationSchema.model_validate(config)):
         return set()
+    return _replica_ids(app)
+
+
+def _replica_ids(app: dict[str, Any]) -> set[str]:
+    """Every replica of application ``app`` (Serve's details of it), whatever its state."""
     return {replica["replica_id"] for deployment in (app.get("deployments") or {}).values()
             for replica in deployment.get("replicas") or []}
 
@@ -196,9 +200,7 @@ def _wait_running(client: Any, name: str, replaced: set[str]) -> None:
         if app.get("status") == "DEPLOY_FAILED":
             raise ConfigError(f"Serve could not deploy application {name!r}: "
                               f"{redact_text(str(app.get('message', ''))).strip()}")
-        replicas = {replica["replica_id"]
-                    for deployment in (app.get("deployments") or {}).values()
-                    for replica in deployment.get("replicas") or []}
+        replicas = _replica_ids(app)
         if app.get("status") == "RUNNING" and replicas and not replicas & replaced:
             return
         time.sleep(DEPLOY_POLL_S)
@@ -239,17 +241,14 @@ def stop(name: str | None) -> list[str]:
     return names
 
 
-def serve_config(options: ServeOptions, settings: Settings, settings_key: str = ""
-                 ) -> dict[str, Any]:
+def serve_config(options: ServeOptions, settings: Settings) -> dict[str, Any]:
     """A Serve config for ``serve deploy``: the same application, sized the same way.
 
     The cluster's image must have raydeck installed (docker/ does), and its nodes raydeck's
-    settings in their environment; no secret is written. ``settings_key``: the KV key of the
-    settings the replicas get instead (:func:`deploy`'s).
+    settings in their environment; no secret is written (:func:`deploy` adds the KV key of the
+    settings it stores instead).
     """
     args = {k: v for k, v in asdict(options).items() if k not in ("host", "port")}
-    if settings_key:
-        args[SETTINGS_ARG] = settings_key
     deployment = {"name": DEPLOYMENT_NAME, **options.deployment_options(settings)}
     return {
         "proxy_location": "EveryNode",
