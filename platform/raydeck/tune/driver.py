@@ -405,10 +405,13 @@ def _interrupted(stop: _StopRequest, monitor: SweepMonitor, parent: Any, config:
     outcomes = {t: o for t in stop.preempted if (o := monitor.outcome(t)) is not None}
     # A trial Tune started a moment before the signal may have no run yet: it has nothing to
     # mark and --resume starts it like any pending trial, so the parent counts trials with runs.
+    # A trial that was running at the signal but reported its last iteration before Tune
+    # stopped it ended ``completed``: it is not counted as preempted.
     preempted = stop.preempted
     with contextlib.suppress(Exception):
         client = MlflowClient(settings.tracking.uri)
-        preempted = record_outcomes(config, monitor, outcomes, child_runs(client, parent), client)
+        recorded = record_outcomes(config, monitor, outcomes, child_runs(client, parent), client)
+        preempted = [t for t in recorded if outcomes[t].status == PREEMPTED]
     _record_preemption(parent, preempted)
     parent.finish("KILLED")
     raise SweepInterruptedError(
