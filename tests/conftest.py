@@ -18,6 +18,7 @@ import pytest
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.prometheus import PrometheusServer, for_ray_session
 from tests.fixtures.s3_server import S3Server
+from tests.fixtures.streams import StreamScheduling, lower_priority_if_background
 
 # Settings every test process (and every Ray worker it starts) shares. Short intervals keep the
 # suite fast; they are the same code paths as the defaults.
@@ -49,6 +50,12 @@ TEST_ENV = {
     # replica on the controller's next broadcast, well within 2 s here.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # A raylet starts idle Python workers ahead of demand (for the first driver, and for queued
+    # leases); in a run of many short-lived clusters and jobs many were never used, each 1-3
+    # CPU-s (141 `ray::IDLE` processes ended in one run, 477 CPU-s; 119 and 365 CPU-s without
+    # prestarting). Workers start on demand.
+    "RAY_prestart_worker_first_driver": "0",
+    "RAY_enable_worker_prestart": "0",
     # On SIGTERM `ray start --block` drains its node for up to 30 s before it stops Ray's
     # processes; a test stopping its head signals the GCS at the same moment, so the drain
     # request hangs and every stop waited out its grace (the stack's `down`: 20 s for the head).
@@ -92,6 +99,11 @@ os.environ["RAYDECK_STACK_FILE"] = ""
 # Likewise a tracking server the developer's shell names (raydeck uses MLflow's variable when
 # RAYDECK_TRACKING_URI is not set); tests that need it set it themselves.
 os.environ.pop("MLFLOW_TRACKING_URI", None)
+# A pytest-xdist worker starts with COLUMNS=80, which Rich reads once, when the CLI's console is
+# made: every table a test renders in this process would be pinned at 80 columns. Tests that need
+# a width set COLUMNS themselves, as in one process.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.pop("COLUMNS", None)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -105,6 +117,15 @@ def pytest_configure(config: pytest.Config) -> None:
     """
     for tree in ("platform", "tests"):
         compileall.compile_dir(REPO / tree, quiet=1)
+    lower_priority_if_background()
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> StreamScheduling | None:
+    """``-n 2 --dist loadfile``: two streams of whole modules, the second at a lower CPU
+    priority (tests/fixtures/streams.py); any other xdist run schedules as xdist does."""
+    if config.getvalue("dist") == "loadfile" and len(config.getvalue("tx") or ()) == 2:
+        return StreamScheduling(config, log)  # type: ignore[arg-type]
+    return None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

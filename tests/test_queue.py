@@ -238,6 +238,20 @@ def second_node(cluster: Cluster) -> Iterator[None]:
         cluster.head.remove_worker_nodes()
 
 
+@pytest.fixture
+def another_ray(tmp_path: Path, raydeck_env: dict[str, str]) -> Iterator[RayHead]:
+    """A second Ray instance on this machine, apart from the queue's (the session's cluster may
+    not be up in this process: under two xdist streams this module runs where nothing else
+    needs it), for one test."""
+    root = tmp_path / "another-ray"
+    head = RayHead(root, head_env(raydeck_env["RAYDECK_TRACKING_URI"], root / "data"),
+                   num_cpus=1).start()
+    try:
+        yield head
+    finally:
+        head.stop()
+
+
 def _explained(cluster: Cluster, check: Callable[[], bool], timeout_s: float, what: str,
                *submission_ids: str) -> None:
     """wait_until, failing with the queue, the jobs and the named jobs' logs."""
@@ -288,7 +302,7 @@ def _placed_as_the_queue_sees_it(cluster: Cluster, submission_id: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_three_teams_digits_jobs_on_two_nodes_start_in_policy_order_whole_within_quotas(
-        cluster: Cluster, second_node: None, mlflow_client: Any, ray_cluster: None) -> None:
+        cluster: Cluster, second_node: None, mlflow_client: Any, another_ray: RayHead) -> None:
     _ok(cluster.cli("queue", "--policy", "priority", "--teams", str(_teams(cluster))))
     # Two jobs hold real resources until cancelled, each on the only node it fits: b-hold
     # (6 CPU) on the head (8 CPU), then a-hold (3 CPU, 1 GPU) on the new node (4 CPU, 2 GPU).
@@ -298,7 +312,7 @@ def test_three_teams_digits_jobs_on_two_nodes_start_in_policy_order_whole_within
         _explained(cluster, lambda job=name: job in cluster.events(), 120, f"{name} to hold",
                    f"raydeck-{name}")
     # The queue sees a started gang placed as soon as Ray placed it, though this machine runs
-    # a second Ray (the session's, ray_cluster): it once asked Ray's state API for "the" local
+    # a second Ray (another_ray): it once asked Ray's state API for "the" local
     # cluster, failed, and held every next start back CLAIM_S (120 s).
     assert _placed_as_the_queue_sees_it(cluster, "raydeck-a-hold")
     epochs = 2
