@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from xdist.remote import Producer
 
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.prometheus import PrometheusServer, for_ray_session
@@ -120,11 +121,11 @@ def pytest_configure(config: pytest.Config) -> None:
     lower_priority_if_background()
 
 
-def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> StreamScheduling | None:
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Producer) -> StreamScheduling | None:
     """``-n 2 --dist loadfile``: two streams of whole modules, the second at a lower CPU
     priority (tests/fixtures/streams.py); any other xdist run schedules as xdist does."""
     if config.getvalue("dist") == "loadfile" and len(config.getvalue("tx") or ()) == 2:
-        return StreamScheduling(config, log)  # type: ignore[arg-type]
+        return StreamScheduling(config, log)
     return None
 
 
