@@ -106,17 +106,21 @@ class Cluster:
         return self.workdir.parent / f"release-{name}"
 
     def digits(self, name: str, preset: str, team: str, priority: int, epochs: int,
-               job: str = "digits_torch.py", gate: Path | None = None) -> str:
+               job: str = "digits_torch.py", gate: Path | None = None,
+               pause_at_world_size: int | None = None) -> str:
         """Queue a real digits job (``job``: jobs/digits_torch.py or digits_lightning.py); its
-        run is tagged ``name``. ``gate``: its workers train once that file exists
-        (tests/fixtures/gated_digits.py)."""
+        run is tagged ``name``. ``gate``: its workers train once that file exists; with
+        ``pause_at_world_size``, an attempt of that many workers waits for it after its first
+        checkpoint instead (tests/fixtures/gated_digits.py)."""
         kind = "lightning" if "lightning" in job else "torch"
         entry = ["gated_digits.py", "--queue"] if gate else [job, "--queue"]
+        gated = [kind, str(gate)] if gate else []
+        if gate and pause_at_world_size:
+            gated += ["--pause-at-world-size", str(pause_at_world_size)]
         return _ok(self.cli(
             "submit", *entry, "--no-check", "--runtime-env",
             "runtime.yaml", "--preset", preset, "--run-name", name, "--run-id", name, "--team",
-            team, "--priority", str(priority), "--", *([kind, str(gate)] if gate else []),
-            "--epochs", str(epochs)))
+            team, "--priority", str(priority), "--", *gated, "--epochs", str(epochs)))
 
     @cached_property
     def jobs(self) -> Any:
@@ -606,10 +610,11 @@ def test_under_las_a_short_job_preempts_a_long_one_past_its_threshold_and_finish
           f"({(resumed.start_time - stopped.end_time) / 1000:.1f} s after its stop)")
 
 
-# Enough for each attempt to commit a checkpoint after the one it restarted from, with room for
-# the time the test takes to see one (the three attempts trained 9, 2 and 1 of 12 in a run
-# that read the queue's listing between the first checkpoint and the holder's release).
-ELASTIC_EPOCHS = 16
+# The first attempt trains until the grow stops it: 12 of 16 epochs in a CI run where the
+# suite's other stream had the cores (nearly all). Twice that leaves the other attempts room;
+# the grown attempt waits at a gate until the queue has decided to shrink it (in that CI run
+# it trained to the end while the urgent job's `raydeck submit` ran, and never shrank).
+ELASTIC_EPOCHS = 32
 WORLD_SIZE_METRIC = "raydeck/world_size"
 
 
@@ -623,12 +628,14 @@ def test_an_elastic_job_starts_small_grows_when_a_holder_ends_and_shrinks_for_a_
     shrinks it back to one (``-r2``) instead of waiting or preempting it. The job finishes with
     every epoch once in one MLflow run, trained at world sizes 1, 2, 1."""
     _ok(cluster.cli("queue", "--policy", "priority", "--min-run", "1s"))
-    holder, urgent = (cluster.release_file(name) for name in ("el-holder", "el-urgent"))
+    holder, urgent, grown_gate = (cluster.release_file(name)
+                                  for name in ("el-holder", "el-urgent", "el-grown"))
     try:
         _ok(cluster.submit("el-holder", "h5", 0, "c", until=holder))
         _explained(cluster, lambda: "el-holder" in cluster.events(), 120,
                    "the holder to start", "raydeck-el-holder")
-        cluster.digits("el", "e3", "c", 0, ELASTIC_EPOCHS)
+        cluster.digits("el", "e3", "c", 0, ELASTIC_EPOCHS, gate=grown_gate,
+                       pause_at_world_size=2)
         # Started at one worker (the room beside the holder), shown while its workers start.
         _explained(cluster, lambda: re.search(r"raydeck-el\s.*workers 1 of 1-2 .*running",
                                               _ok(cluster.cli("queue"))) is not None, 120,
@@ -642,13 +649,20 @@ def test_an_elastic_job_starts_small_grows_when_a_holder_ends_and_shrinks_for_a_
                    "the elastic job to restart at two workers", "raydeck-el")
         _ok(cluster.submit("el-urgent", "u4", 0, "c", priority=5, until=urgent))
         urgent_at = time.time()
+        # The grown attempt, paused after its first checkpoint, goes on once the queue has
+        # asked it to shrink (at its next checkpoint: it trains two epochs at two workers).
+        _explained(cluster, lambda: re.search(
+            r"raydeck-el\s.*shrinks to 1 workers for raydeck-el-urgent",
+            _ok(cluster.cli("queue", columns=WIDE_COLUMNS))) is not None, 180,
+            "the queue to ask the elastic job to shrink", "raydeck-el-r1")
+        grown_gate.touch()
         _explained(cluster, lambda: _ended(cluster, "raydeck-el-r2"), 400,
                    "the elastic job to shrink for the urgent one and end",
                    "raydeck-el-r1", "raydeck-el-r2", "raydeck-el-urgent")
         assert "el-urgent" in cluster.events()  # it started beside the shrunk job
     finally:
-        holder.touch()
-        urgent.touch()
+        for release in (holder, urgent, grown_gate):
+            release.touch()
         _ok(cluster.cli("queue", "--min-run", "10m"))
 
     grown, shrunk, last, high = (_job_info(cluster, f"raydeck-{job}") for job in (

@@ -150,10 +150,17 @@ def test_tracking_status_and_stop_commands(tmp_path: Path, ray_cluster: None,
         tracker = raydeck.get_tracker(run_name="cli-status", settings=settings)
         tracker.log_metric("x", 1.0)
         tracker.flush()
-        shown = subprocess.run([sys.executable, "-m", "raydeck.cli", "tracking", "status"],
-                               env=env, capture_output=True, text=True, timeout=120)
-        assert shown.returncode == 0, shown.stderr
-        assert tracker.run_key in shown.stdout and tracker.run_id in shown.stdout, shown.stdout
+        status = subprocess.Popen([sys.executable, "-m", "raydeck.cli", "tracking", "status"],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        shown, errors = status.communicate(timeout=120)
+        assert status.returncode == 0, errors
+        assert tracker.run_key in shown and tracker.run_id in shown, shown
+        # The command's driver ran no metrics harvester (whose thread can crash a process as it
+        # exits): its core worker's log, named for its pid, says Ray's stats were off.
+        logs = Path(ray._private.worker._global_node.get_session_dir_path()) / "logs"
+        driver_log, = logs.glob(f"python-core-driver-*_{status.pid}.log")
+        assert "Disabled stats." in driver_log.read_text()
         tracker.finish()
         stopped = subprocess.run([sys.executable, "-m", "raydeck.cli", "tracking", "stop"],
                                  env=env, capture_output=True, text=True, timeout=180)

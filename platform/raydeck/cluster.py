@@ -37,6 +37,12 @@ RAY_TUNE_CALLBACKS_ENV = "RAY_TUNE_CALLBACKS"
 TUNE_OUTCOME_CALLBACK = "raydeck.tracking.tune_outcome.TrialOutcome"
 
 PROBE_TIMEOUT_S = 3.0
+# A command's driver (``raydeck queue``, ``submit --queue``, ``status``...) lives for seconds and
+# exports no metric anyone reads; with metrics on, Ray's core worker runs OpenCensus's harvester
+# thread, which at the process's exit can race C++'s static destructors and die with SIGSEGV
+# after the command's work is done (seen once in a suite run: ``raydeck submit`` printed its
+# job and exited -6). Ray reads the variable when the driver's core worker starts.
+COMMAND_DRIVER_ENV = {"RAY_enable_metrics_collection": "0"}
 
 
 def unreachable_reason(address: str) -> str | None:
@@ -229,7 +235,8 @@ def _refuse_a_stale_ray_record() -> None:
 
 
 def connect_existing(address: str) -> None:
-    """Connect to an already running cluster to inspect it; never starts one.
+    """Connect to an already running cluster to inspect it; never starts one. The driver
+    exports no metrics (``COMMAND_DRIVER_ENV``): a command must not crash as it exits.
 
     Raises:
         ClusterUnavailableError: nothing answers at ``address`` (``auto``: no cluster found).
@@ -242,7 +249,8 @@ def connect_existing(address: str) -> None:
     if reason is None:
         use_stack_auth(address)
         try:
-            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+            with environment(COMMAND_DRIVER_ENV):
+                ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
             return
         except (ConnectionError, RuntimeError, ValueError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
