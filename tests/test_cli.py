@@ -109,3 +109,33 @@ def test_a_stale_record_of_a_stopped_ray_start_cluster_is_said_at_once(tmp_path:
     status = _raydeck("status", cwd=tmp_path, env=env, timeout=90)
     assert status.returncode == 0, status.stdout + status.stderr
     assert "no cluster running" in status.stdout, status.stdout
+
+
+# A command that used Ray: an exit hook it registered (after raydeck's own, before Ray's) runs,
+# and the process still ends with the command's exit code (raydeck ends it with os._exit after
+# every exit hook, so C++'s static destructors never race Ray's threads).
+EXIT_HOOKS_SCRIPT = """
+import atexit
+import typer
+from raydeck.cli import main as cli
+
+@cli.app.command("probe")
+def probe() -> None:
+    atexit.register(print, "exit hook ran", flush=True)
+    import ray  # registers Ray's own exit hook
+    print("worked", ray.is_initialized(), flush=True)
+    raise typer.Exit(3)
+
+import sys
+sys.argv = ["raydeck", "probe"]
+cli.main()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_command_that_used_ray_ends_after_every_exit_hook_with_its_exit_code(
+        tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-c", EXIT_HOOKS_SCRIPT], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert result.stdout.splitlines() == ["worked False", "exit hook ran"], result.stderr

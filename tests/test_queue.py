@@ -109,9 +109,9 @@ class Cluster:
                job: str = "digits_torch.py", gate: Path | None = None,
                pause_at_world_size: int | None = None) -> str:
         """Queue a real digits job (``job``: jobs/digits_torch.py or digits_lightning.py); its
-        run is tagged ``name``. ``gate``: its workers train once that file exists; with
-        ``pause_at_world_size``, an attempt of that many workers waits for it after its first
-        checkpoint instead (tests/fixtures/gated_digits.py)."""
+        run is tagged ``name``. ``gate``: after its first checkpoint an attempt (of
+        ``pause_at_world_size`` workers, when given) waits until that file exists, unless the
+        queue told it to stop there (tests/fixtures/gated_digits.py)."""
         kind = "lightning" if "lightning" in job else "torch"
         entry = ["gated_digits.py", "--queue"] if gate else [job, "--queue"]
         gated = [kind, str(gate)] if gate else []
@@ -229,6 +229,39 @@ def _teams(cluster: Cluster) -> Path:
     path = cluster.workdir.parent / "teams.yaml"
     path.write_text(yaml.safe_dump({**TEAMS, "admins": [getpass.getuser()]}))
     return path
+
+
+# A command's driver (here a probe command run as `raydeck` runs one) connects to the real
+# head, then exits 3. An exit hook registered before Ray's own (so it runs after Ray's would)
+# finds Ray still connected: the command left without Ray's teardown, where a finished command
+# died with SIGSEGV in OpenCensus's harvester thread.
+COMMAND_DRIVER_SCRIPT = """
+import atexit, sys
+import typer
+from raydeck.cli import main as cli
+from raydeck.cluster import connect_existing
+
+@cli.app.command("probe")
+def probe(address: str) -> None:
+    atexit.register(lambda: print("connected at exit", sys.modules["ray"].is_initialized(),
+                                  flush=True))
+    connect_existing(address)
+    print("worked", flush=True)
+    raise typer.Exit(3)
+
+cli.main()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_command_driver_leaves_without_rays_teardown_and_keeps_its_exit_code(
+        cluster: Cluster) -> None:
+    result = subprocess.run([sys.executable, "-c", COMMAND_DRIVER_SCRIPT, "probe",
+                             cluster.head.gcs_address], cwd=cluster.workdir, env=cluster.env,
+                            capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert result.stdout.splitlines() == ["worked", "connected at exit True"], result.stderr
 
 
 @pytest.fixture
@@ -447,25 +480,26 @@ def test_low_priority_jobs_are_preempted_at_a_checkpoint_and_resume_in_their_run
     it: the PyTorch digits job (``report_epoch`` says stop) and the Lightning one (raydeck's
     callback stops the trainer)."""
     _ok(cluster.cli("queue", "--policy", "priority"))
-    # Each must still be running when the other has committed its first checkpoint: their
-    # workers wait at a gate until both are up (a Lightning worker group takes up to two
-    # minutes to start here, a PyTorch one seconds), then train from the same moment.
-    epochs = {"pre-low": 40, "pre-lit": 24}
+    # Each waits at a gate after its first checkpoint, so both are running, with a checkpoint
+    # to resume from, when the high job comes (a Lightning worker group takes up to two minutes
+    # to start here, a PyTorch one seconds); the gate opens once the queue has decided, and
+    # each stops at its next checkpoint, whatever the machine's speed.
+    epochs = {"pre-low": 8, "pre-lit": 6}
     gate = cluster.release_file("preemption")
     cluster.digits("pre-low", "d3", "c", 0, epochs["pre-low"], gate=gate)
     cluster.digits("pre-lit", "d3", "c", 0, epochs["pre-lit"], job="digits_lightning.py",
                    gate=gate)
     _explained(cluster, lambda: all(Path(f"{gate}.{kind}.0").exists()
                                     for kind in ("torch", "lightning")), 300,
-               "both low-priority jobs' workers to reach the gate",
+               "both low-priority jobs to wait at the gate after their first checkpoint",
                *(f"raydeck-{job}" for job in epochs))
-    gate.touch()
-    wait_until(lambda: all(_latest_epoch(mlflow_client, job) >= 1 for job in epochs), 120,
-               "both low-priority jobs to commit a checkpoint", interval_s=SERVER_POLL_S)
     cluster.digits("pre-high", "d8", "c", 5, 3)
     asked_at = time.time()
-    # Any checkpoint a low job commits from now on may be the one it stops at.
     committed_before = {job: _latest_epoch(mlflow_client, job) for job in epochs}
+    _explained(cluster, lambda: _ok(cluster.cli("queue", columns=WIDE_COLUMNS)).count(
+        "preempted for raydeck-pre-high") == 2, 120,
+        "the queue to preempt both low-priority jobs", *(f"raydeck-{job}" for job in epochs))
+    gate.touch()
     _explained(cluster, lambda: all(_ended(cluster, f"raydeck-{job}") for job in epochs), 180,
                "the low-priority jobs to stop at their next checkpoint",
                *(f"raydeck-{job}" for job in epochs))

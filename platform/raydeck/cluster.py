@@ -9,6 +9,7 @@ the local Ray that ``ray.init`` starts when no cluster is named gets Serve's ing
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import importlib
 import json
@@ -41,8 +42,12 @@ PROBE_TIMEOUT_S = 3.0
 # exports no metric anyone reads; with metrics on, Ray's core worker runs OpenCensus's harvester
 # thread, which at the process's exit can race C++'s static destructors and die with SIGSEGV
 # after the command's work is done (seen once in a suite run: ``raydeck submit`` printed its
-# job and exited -6). Ray reads the variable when the driver's core worker starts.
+# job and exited -6). Ray reads the variable when the driver's core worker starts. It did not
+# suffice (the same crash, exit -11), so a command's driver also leaves without Ray's teardown
+# (leave_as_command_driver) and C++'s (raydeck.cli.main).
 COMMAND_DRIVER_ENV = {"RAY_enable_metrics_collection": "0"}
+# Whether this process connected through connect_existing (a command's driver).
+_command_driver = False
 
 
 def unreachable_reason(address: str) -> str | None:
@@ -251,6 +256,8 @@ def connect_existing(address: str) -> None:
         try:
             with environment(COMMAND_DRIVER_ENV):
                 ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+            global _command_driver
+            _command_driver = True
             return
         except (ConnectionError, RuntimeError, ValueError) as exc:
             reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -258,6 +265,22 @@ def connect_existing(address: str) -> None:
         f"Ray cluster at {address!r} is unreachable ({reason}); start it or fix "
         "RAYDECK_RAY_ADDRESS / RAY_ADDRESS"
     )
+
+
+def leave_as_command_driver() -> bool:
+    """In a process that connected through :func:`connect_existing`, once its command is done:
+    drop Ray's own exit hook (``ray.shutdown``), so the process ends without Ray's teardown and
+    the raylet ends its Ray job as for any driver that exits. Even with metrics off, a command's
+    driver died in or after that teardown (SIGSEGV in OpenCensus's harvester thread, after the
+    command had printed its result). A process that started its own local Ray keeps the hook:
+    it stops that cluster. Returns whether this process is a command's driver.
+    """
+    if not _command_driver:
+        return False
+    import ray
+
+    atexit.unregister(ray.shutdown)
+    return True
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,9 @@ fails with exit code 2 and nothing half-created.
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
 import sys
 import traceback
 
@@ -30,8 +33,12 @@ from raydeck.cli import (
 )
 from raydeck.cli import settings as settings_cmd
 from raydeck.cli._console import EXIT_USER_ERROR, err_console
+from raydeck.cluster import leave_as_command_driver
+from raydeck.errors import RaydeckError
+from raydeck.redaction import redact_text
 
 EXIT_BUG = 1
+EXIT_INTERRUPTED = 130
 
 app = typer.Typer(
     name="raydeck",
@@ -83,25 +90,60 @@ app.command("ps")(stack.ps)
 app.command("logs")(stack.logs)
 
 
+class _Leaving:
+    """How a ``raydeck`` process ends once Python's exit hooks have run.
+
+    A process that imported Ray ends with ``os._exit`` after every other exit hook (this one is
+    registered before Ray is imported, so it runs last): C++'s static destructors never run,
+    where OpenCensus's harvester thread raced them and a finished command died with SIGSEGV
+    (``raydeck submit --queue`` printed its job, then exited -11). The exit code is kept.
+    """
+
+    code = 0
+
+    @classmethod
+    def after_python_teardown(cls) -> None:
+        if "ray" not in sys.modules:
+            return
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(cls.code)
+
+
 def main() -> None:
     """Entry point: run the app, mapping raydeck's errors to one line and exit code 2.
 
     Anything else is a bug: its traceback is shown (exit code 1), redacted like every other
-    output, because exceptions of other libraries quote URLs with their credentials.
+    output, because exceptions of other libraries quote URLs with their credentials. A command
+    that connected to a running cluster leaves without Ray's teardown
+    (:func:`raydeck.cluster.leave_as_command_driver`); see :class:`_Leaving`.
     """
-    from raydeck.errors import RaydeckError
-    from raydeck.redaction import redact_text
+    atexit.register(_Leaving.after_python_teardown)
+    _Leaving.code = _run("--debug" in sys.argv)
+    leave_as_command_driver()
+    sys.exit(_Leaving.code)
 
-    debug = "--debug" in sys.argv
+
+def _run(debug: bool) -> int:
+    """The app's exit code."""
     try:
         app()
+    except SystemExit as exc:
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        sys.stderr.write(f"{exc.code}\n")
+        return EXIT_BUG
     except RaydeckError as exc:
         if debug:
             sys.stderr.write(redact_text(traceback.format_exc()))
         else:
             err_console.print(f"[bold red]error:[/] {escape(redact_text(str(exc)))}",
                               soft_wrap=True)
-        sys.exit(EXIT_USER_ERROR)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
     except Exception:
         sys.stderr.write(redact_text(traceback.format_exc()))
-        sys.exit(EXIT_BUG)
+        return EXIT_BUG
+    return 0
