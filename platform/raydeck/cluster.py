@@ -267,20 +267,19 @@ def connect_existing(address: str) -> None:
     )
 
 
-def leave_as_command_driver() -> bool:
+def leave_as_command_driver() -> None:
     """In a process that connected through :func:`connect_existing`, once its command is done:
     drop Ray's own exit hook (``ray.shutdown``), so the process ends without Ray's teardown and
     the raylet ends its Ray job as for any driver that exits. Even with metrics off, a command's
     driver died in or after that teardown (SIGSEGV in OpenCensus's harvester thread, after the
     command had printed its result). A process that started its own local Ray keeps the hook:
-    it stops that cluster. Returns whether this process is a command's driver.
+    it stops that cluster.
     """
     if not _command_driver:
-        return False
+        return
     import ray
 
     atexit.unregister(ray.shutdown)
-    return True
 
 
 @dataclass(frozen=True)
