@@ -376,27 +376,34 @@ def test_a_sigtermed_driver_whose_proxy_is_slow_hands_its_data_over_and_ends_kil
 
 
 def _restarting_train_fn(config: dict[str, Any]) -> None:
-    """Three epochs with raydeck checkpoints; rank 1 dies once after epoch 0 (a worker group
-    restart) while the test holds MLflow down."""
+    """Three epochs with raydeck checkpoints; once, while the test holds MLflow down, rank 0
+    dies (SIGKILL) right after Ray Train committed epoch 1's checkpoint, as it is about to
+    record that checkpoint in the run's tags: a worker group restart from epoch 1."""
     import ray.train
     import torch
 
     import raydeck
-    from raydeck.checkpointing import report_epoch, restore
+    from raydeck.checkpointing import CHECKPOINT_TAG_PREFIX, report_epoch, restore
 
     marker = Path(config["marker"])
     tracker = raydeck.get_tracker(settings=config["settings"])
+    if ray.train.get_context().get_world_rank() == 0 and not marker.exists():
+        set_tags = tracker.set_tags
+
+        def dies_recording_epoch_1(tags: dict[str, Any], **kwargs: Any) -> None:
+            if f"{CHECKPOINT_TAG_PREFIX}epoch_1" in tags:
+                wait_for = Path(config["mlflow_down"])
+                deadline = time.monotonic() + 120
+                while not wait_for.exists() and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                marker.write_text("died once")
+                os.kill(os.getpid(), signal.SIGKILL)
+            set_tags(tags, **kwargs)
+
+        tracker.set_tags = dies_recording_epoch_1  # type: ignore[method-assign]
     model = torch.nn.Linear(2, 1)
     state = restore(tracker, model=model)
-    rank = ray.train.get_context().get_world_rank()
     for epoch in range(state.epoch + 1 if state else 0, 3):
-        if epoch == 1 and rank == 1 and not marker.exists():
-            wait_for = Path(config["mlflow_down"])
-            deadline = time.monotonic() + 120
-            while not wait_for.exists() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            marker.write_text("died once")
-            os.kill(os.getpid(), signal.SIGKILL)
         report_epoch(tracker, {"x": float(epoch)}, epoch=epoch, model=model)
 
 
@@ -443,7 +450,15 @@ def test_a_worker_group_restarted_while_mlflow_is_down_completes(
     assert report.landed
     client = _client(server)
     _assert_exact(client, tracker.run_id, "x", range(3))
-    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+    run = client.get_run(tracker.run_id)
+    assert run.info.status == "FINISHED"
+    # Rank 0 died before it recorded epoch 1's committed checkpoint; the restarted group resumed
+    # from it and recorded it: every committed checkpoint is in the run's record.
+    tags = run.data.tags
+    assert tags["raydeck.checkpoint.resumed_from_epoch"] == "1"
+    assert {tags[f"raydeck.checkpoint.epoch_{epoch}"].rsplit("/", 1)[-1] for epoch in range(3)
+            } == {"epoch_000000", "epoch_000001", "epoch_000002"}
+    assert tags["raydeck.checkpoint.latest_epoch"] == "2"
 
 
 @pytest.mark.slow

@@ -17,6 +17,10 @@ Why epochs land exactly once after a worker dies:
    :func:`restore` logs the stored points of the restored epoch again: if they had landed, MLflow
    keeps one copy (identical key, step, timestamp and value); if the worker died between the
    commit and sending them, they land now.
+3. Rank 0 records each committed checkpoint in the run's tags (``raydeck.checkpoint.latest``,
+   ``.latest_epoch``, ``.epoch_<N>``) after the commit; on resume it records the restored one
+   again, so a rank 0 that died between a commit and its tags leaves no committed checkpoint
+   out of the run's record.
 
 Epochs after the restored checkpoint are re-run and logged as new.
 
@@ -256,10 +260,7 @@ def report_checkpoint(
     # preempted node) must not take its last epoch with it.
     tracker.flush()
     if rank == 0:
-        uri = checkpoint_uri(name)
-        tracker.set_tags({f"{CHECKPOINT_TAG_PREFIX}latest": uri,
-                          f"{CHECKPOINT_TAG_PREFIX}latest_epoch": epoch,
-                          f"{CHECKPOINT_TAG_PREFIX}epoch_{epoch}": uri}, strict=False)
+        _record_committed(tracker, epoch, checkpoint_uri(name))
     # Every rank, always: rank 0's answer is shared with a collective.
     preemption.checkpoint_committed(rank)
     return committed
@@ -301,16 +302,33 @@ def stored_points(directory: str | Path) -> list[MetricPoint]:
             for key, value, timestamp_ms, step in json.loads(path.read_text())["points"]]
 
 
-def mark_resumed(tracker: Tracker, epoch: int, points: list[MetricPoint]) -> None:
-    """After restoring epoch ``epoch``: log its stored points again and tag the run.
+def _record_committed(tracker: Tracker, epoch: int, uri: str) -> None:
+    """Rank 0's record of committed checkpoint ``uri`` of ``epoch`` in the run's tags."""
+    tracker.set_tags({f"{CHECKPOINT_TAG_PREFIX}latest": uri,
+                      f"{CHECKPOINT_TAG_PREFIX}latest_epoch": epoch,
+                      f"{CHECKPOINT_TAG_PREFIX}epoch_{epoch}": uri}, strict=False)
+
+
+def mark_resumed(tracker: Tracker, epoch: int, points: list[MetricPoint],
+                 checkpoint: Any) -> None:
+    """After restoring epoch ``epoch`` from ``checkpoint`` (a ``ray.train.Checkpoint``): log its
+    stored points again and tag the run; rank 0 records the checkpoint as committed again
+    (module docstring, 3).
 
     Values the failed attempt logged after this checkpoint stay in the run; the epochs trained
     again do not log them twice (:meth:`~raydeck.tracking.Tracker.skip_logged_steps`).
     """
     log_points(tracker, points)
     tracker.skip_logged_steps({key for key, _, _, _ in points})
+    if _rank() == 0:
+        _record_committed(tracker, epoch, uri_of(checkpoint))
     tracker.set_tags({f"{CHECKPOINT_TAG_PREFIX}resumed_from_epoch": epoch}, strict=False)
     logger.info("resumed from epoch %d", epoch)
+
+
+def uri_of(checkpoint: Any) -> str:
+    """A ``ray.train.Checkpoint``'s URI: its path, with its filesystem's scheme unless local."""
+    return _with_scheme(checkpoint.path, checkpoint.filesystem)
 
 
 def checkpoint_uri(name: str) -> str:
@@ -318,8 +336,13 @@ def checkpoint_uri(name: str) -> str:
     import ray.train
 
     storage = ray.train.get_context().get_storage()
-    path = storage.build_checkpoint_path_from_name(name)
-    scheme = storage.storage_filesystem.type_name
+    return _with_scheme(storage.build_checkpoint_path_from_name(name),
+                        storage.storage_filesystem)
+
+
+def _with_scheme(path: str, filesystem: Any) -> str:
+    """``path`` on pyarrow ``filesystem`` as a URI (a local path stays a path)."""
+    scheme = filesystem.type_name
     return path if scheme == "local" else f"{scheme}://{path}"
 
 
@@ -353,7 +376,7 @@ def restore(
     if tracker.active and state.run_id and state.run_id != tracker.parent_run_key:
         logger.warning("checkpoint was written by run %s, resuming in run %s",
                        state.run_id, tracker.parent_run_key)
-    mark_resumed(tracker, state.epoch, points)
+    mark_resumed(tracker, state.epoch, points, checkpoint)
     return state
 
 

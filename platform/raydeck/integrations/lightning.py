@@ -349,5 +349,5 @@ def resume(tracker: Tracker | None = None) -> Iterator[str | None]:
         if tracker.active and state["run_id"] and state["run_id"] != tracker.parent_run_key:
             logger.warning("checkpoint was written by run %s, resuming in run %s",
                            state["run_id"], tracker.parent_run_key)
-        mark_resumed(tracker, int(state["epoch"]), stored_points(directory))
+        mark_resumed(tracker, int(state["epoch"]), stored_points(directory), checkpoint)
         yield str(Path(directory) / LIGHTNING_CHECKPOINT_FILE)

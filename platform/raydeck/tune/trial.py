@@ -435,12 +435,12 @@ def _forward_reports(reports: Any) -> Any:
                          checkpoint: Any) -> None:
             import ray
 
+            from raydeck.checkpointing import uri_of
+
             points = _stored_points(checkpoint)
             reported = dict(metrics[0])
             if checkpoint is not None:
-                scheme = checkpoint.filesystem.type_name
-                reported["checkpoint_uri"] = (checkpoint.path if scheme == "local"
-                                              else f"{scheme}://{checkpoint.path}")
+                reported["checkpoint_uri"] = uri_of(checkpoint)
             reports.put({
                 "metrics": reported,
                 "points": points,
