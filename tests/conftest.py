@@ -26,9 +26,9 @@ from tests.fixtures.streams import StreamScheduling, lower_priority_if_backgroun
 REPO = Path(__file__).resolve().parents[1]
 TEST_ENV = {
     "RAYDECK_TRACKING_FLUSH_INTERVAL_S": "0.1",
-    # Every tracked process samples and logs system metrics; 5 s (the default is 10) keeps
-    # them in every run without a stream of writes through the proxy to MLflow.
-    "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "5",
+    # Every tracked process samples and logs system metrics (default every 10 s), a stream of
+    # writes through the proxy to MLflow; the tests that check them set their own interval.
+    "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "30",
     "RAYDECK_TRACKING_LOST_AFTER_S": "15",
     # Waits the fault tests sit through: a SIGKILLed worker is suspected after 2.5 missed
     # beats (Ray is then asked), and a write that failed while MLflow or S3 was down is tried
@@ -61,6 +61,11 @@ TEST_ENV = {
     # processes; a test stopping its head signals the GCS at the same moment, so the drain
     # request hangs and every stop waited out its grace (the stack's `down`: 20 s for the head).
     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+    # Ray's log monitor (one per node) looks for new worker log files every 0.1 s until its
+    # node has 1,000 of them, then every 0.5 s; log monitors took 192 CPU-s of a 45-minute run
+    # (2026-12-03). Every 0.5 s from the start: a new worker's first line reaches its driver up
+    # to 0.4 s later.
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
     # The in-process cluster runs without token auth, pinned so no earlier run decides it;
     # tests of `ray job submit` start their own head with RAY_AUTH_MODE=token.
     "RAY_AUTH_MODE": "disabled",
