@@ -238,3 +238,41 @@ def test_an_elastic_job_grows_no_further_than_its_teams_quota(tmp_path: Path) ->
     queue.submit(_elastic("E"))
     assert queue.tick() == ["E"]
     assert _entry(queue, "E").job.size == "workers 3 of 1-4"  # 4 fit the node; the quota is 3
+
+
+class _TwoNodes(FakeJobServer):
+    """Two 3-CPU nodes; each job's CPUs all on the node the test put it on (``node``, by job id;
+    a relaunch ``<id>-r<N>`` on its job's)."""
+
+    def __init__(self, node: dict[str, int]) -> None:
+        super().__init__()
+        self.node = node
+
+    def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
+        free = [3.0, 3.0]
+        for submission_id, status in self.jobs.items():
+            if status == "RUNNING":
+                free[self.node[submission_id.split("-r")[0]]] -= self.cpus[submission_id]
+        return tuple(Resources(cpus=cpus) for cpus in free), (Resources(cpus=3.0),) * 2
+
+
+def test_an_elastic_job_grows_only_by_workers_a_node_has_room_for(tmp_path: Path) -> None:
+    server, clock = _TwoNodes({"F": 1, "E": 0}), [0.0]
+    queue = _queue(tmp_path / "q.db", server, clock)
+    queue.submit(_fixed("F", 2))  # 2 CPUs, on node 1
+    assert queue.tick() == ["F"]
+    gang = Gang(1, Resources(cpus=2), "PACK", 2)
+    queue.submit(JobSpec("E", "a", 0, "cpu2-1-2", gang.needs, "E", "python job.py", {},
+                         estimate_s=HOUR, gang=gang))
+    # Two 2-CPU workers need 2 CPUs on each of two nodes; node 1 has 1 free: E starts at 1.
+    assert queue.tick() == ["E"] and server.cpus["E"] == 2.0
+    clock[0] = MIN_RUN_BEFORE_PREEMPTION_S + 1
+    assert queue.checkpointed("E") is False
+    # 2 CPUs are free in all, 1 on each node: no node takes a second worker, so E does not grow.
+    assert queue.tick() == []
+    e = _entry(queue, "E").job
+    assert (e.state, e.size) == ("running", "workers 1 of 1-2")
+    server.exit("F", 0)  # node 1 is free: a second worker is placed there
+    assert queue.tick() == []
+    e = _entry(queue, "E").job
+    assert (e.state, e.size) == ("preempting", "workers 1 of 1-2 -> 2")

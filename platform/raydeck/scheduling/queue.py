@@ -443,7 +443,7 @@ class JobQueue:
         cannot start, each at its next checkpoint; or elastic jobs to grow at theirs. Returns
         the Serve ceilings to set (``apps``: the deployments)."""
         rows = {r.id: r for r in self._store.jobs(*ACTIVE)}
-        room = resizing.make_room(self._policy, waiting, preempted_for, running, rows, free.pool,
+        room = resizing.make_room(self._policy, waiting, preempted_for, running, rows, free,
                                   now, self._min_run_s, apps)
         for job_id, size in room.resizes:
             why = (f"shrinks to {size} workers for {room.job.id} at its next checkpoint"

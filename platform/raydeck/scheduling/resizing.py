@@ -19,8 +19,10 @@ resize, like a preemption, never loops. A Serve deployment the queue may bound
 (:class:`~raydeck.scheduling.serve_apps.ServeApp`) is one more elastic job in the same rules,
 sized by its replica ceiling: its replicas above its minimum are given back first (priority 0,
 no work lost), before any job is preempted, and its ceiling is raised back last. A growth is
-counted on the pool (which nodes the job's workers hold is Ray's): a gang that would not be
-placed at its new size restarts at what Ray places, never above it.
+decided on the pool and then cut to the workers Ray can place now: the added workers' bundles
+must fit what the nodes have free, under the gang's strategy (Ray places the restarted gang; its
+present workers' room is its own). Which node a ``STRICT_PACK`` gang runs on is Ray's, so its
+added workers are only checked to fit one node.
 """
 
 from __future__ import annotations
@@ -150,14 +152,15 @@ class Room:
 
 
 def make_room(policy: Policy, waiting: Sequence[QueuedJob], preempted_for: Mapping[str, str],
-              running: Sequence[RunningJob], rows: Mapping[str, JobRow], free: Resources,
+              running: Sequence[RunningJob], rows: Mapping[str, JobRow], free: Capacity,
               now: float, min_run_s: float, serve: Sequence[ServeApp] = ()) -> Room:
     """For the first of ``waiting`` (less the victims ``preempted_for`` holds back) that cannot
     start on ``free``: shrink elastic jobs and lower Serve ceilings if that makes it fit
     (:func:`shrinks`), else stop the policy's victims
     (:func:`~raydeck.scheduling.preemption_rules.preempt`). With nothing to make room for and
     no job stopping or resizing (room being made belongs to the job it is made for), grow
-    elastic jobs and raise lowered ceilings (:func:`grows`).
+    elastic jobs and raise lowered ceilings (:func:`grows`), each job's growth cut to what its
+    nodes have free (:func:`placed_growths`).
 
     ``running``: the started jobs as the policy sees them, ``rows`` the queue's active rows by
     id; a job asked to stop counts as gone, one asked to shrink as its new size; ``serve``: the
@@ -166,7 +169,7 @@ def make_room(policy: Policy, waiting: Sequence[QueuedJob], preempted_for: Mappi
     free_capacity`).
     """
     stopping = {job_id for job_id, row in rows.items() if row.state == "preempting"}
-    pool = free
+    pool = free.pool
     for job_id in stopping:
         row = rows[job_id]
         kept = row.sized(row.resize_to) if row.resize_to else {}
@@ -190,8 +193,31 @@ def make_room(policy: Policy, waiting: Sequence[QueuedJob], preempted_for: Mappi
     grown = grows(policy, queue, others, rows, pool, now, min_run_s,
                   [serving(app, now) for app in apps.values() if app.lowered])
     resizes, ceilings = _split(grown, apps)
-    return Room(resizes=resizes, ceilings=tuple((app, size) for app, size in ceilings
-                                                if size > app.ceiling))
+    return Room(resizes=placed_growths(resizes, others, free),
+                ceilings=tuple((app, size) for app, size in ceilings if size > app.ceiling))
+
+
+def placed_growths(sizes: Sequence[tuple[str, int]], running: Sequence[RunningJob],
+                   free: Capacity) -> tuple[tuple[str, int], ...]:
+    """Each growth of ``sizes`` (``(id, new size)`` of jobs in ``running``) cut to the largest
+    whose added workers are placed on ``free``'s nodes now, in order, each taking its room;
+    those left with nothing to add are dropped. Without per-node figures, ``sizes`` as they are.
+    """
+    if not free.nodes:
+        return tuple(sizes)
+    jobs = {piece.job.id: piece.job for piece in running}
+    placed = []
+    for job_id, size in sizes:
+        job = jobs[job_id]
+        assert job.gang is not None, "only elastic gangs grow"
+        added = size - job.gang.workers
+        while added > 0 and (left := free.after(at(job, added))) is None:
+            added -= 1
+        if added > 0:
+            assert left is not None
+            free = left
+            placed.append((job_id, job.gang.workers + added))
+    return tuple(placed)
 
 
 def _split(sizes: Sequence[tuple[str, int]], apps: Mapping[str, ServeApp]
