@@ -310,17 +310,17 @@ def _record_committed(tracker: Tracker, epoch: int, uri: str) -> None:
 
 
 def mark_resumed(tracker: Tracker, epoch: int, points: list[MetricPoint],
-                 checkpoint: Any) -> None:
-    """After restoring epoch ``epoch`` from ``checkpoint`` (a ``ray.train.Checkpoint``): log its
-    stored points again and tag the run; rank 0 records the checkpoint as committed again
-    (module docstring, 3).
+                 checkpoint: Any | None = None) -> None:
+    """After restoring epoch ``epoch``: log its stored points again and tag the run. Given the
+    ``ray.train.Checkpoint`` it came from (in a Ray Train worker), rank 0 records it as committed
+    again (module docstring, 3).
 
     Values the failed attempt logged after this checkpoint stay in the run; the epochs trained
     again do not log them twice (:meth:`~raydeck.tracking.Tracker.skip_logged_steps`).
     """
     log_points(tracker, points)
     tracker.skip_logged_steps({key for key, _, _, _ in points})
-    if _rank() == 0:
+    if checkpoint is not None and _rank() == 0:
         _record_committed(tracker, epoch, uri_of(checkpoint))
     tracker.set_tags({f"{CHECKPOINT_TAG_PREFIX}resumed_from_epoch": epoch}, strict=False)
     logger.info("resumed from epoch %d", epoch)
