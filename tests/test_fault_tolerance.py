@@ -2,11 +2,13 @@
 the same MLflow run, and the run's history holds every epoch (every logged step, for Lightning)
 exactly once.
 
-The jobs are the reference digits jobs, run on the session's Ray cluster. A worker is killed
-with SIGKILL (a crash, no cleanup) once the run records a committed checkpoint of epoch 1; the
-training workers are found among this process's descendants (the session's raylet is its
-child), so nothing outside this test run is touched. Each test prints the time from the kill to
-the restarted workers tagging the run as resumed.
+The jobs are the reference digits jobs, run on the session's Ray cluster. A worker's rank 0 is
+killed with SIGKILL (a crash, no cleanup) while it waits at a gate right after Ray Train
+committed its first checkpoint (``tests/fixtures/gated_digits.py``): what it logged after the
+commit is still in its buffer, and what Lightning logs only after the epoch's callbacks (the
+epoch's ``train_loss_epoch``) not logged at all, so the test fails unless the checkpoint holds
+them. The driver test kills the driver once the run records a committed checkpoint of epoch 1.
+Each test prints the time from the kill to the restarted workers tagging the run as resumed.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from tests.fixtures.processes import ManagedProcess, wait_until
@@ -50,18 +51,6 @@ def _find_run(client: Any, key: str) -> Any:
 def _tag(client: Any, key: str, name: str) -> str | None:
     run = _find_run(client, key)
     return run.data.tags.get(name) if run is not None else None
-
-
-def _train_workers() -> list[psutil.Process]:
-    """The Ray Train worker processes of the session's cluster (descendants of this process)."""
-    workers = []
-    for proc in psutil.Process().children(recursive=True):
-        try:
-            if "RayTrainWorker" in " ".join(proc.cmdline()):
-                workers.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return workers
 
 
 def _wait_for_committed_epoch(client: Any, key: str, epoch: int, alive: Callable[[], bool]
@@ -136,24 +125,57 @@ def run_through_a_fault(client: Any, key: str, job: Callable[[], Any], after_epo
                       fault_to_resume_s=fault_to_resume_s, wall_s=time.monotonic() - started)
 
 
-def _run_and_kill_a_worker(train_fn: Callable[[dict[str, Any]], None], client: Any,
-                           run_name: str) -> FaultedRun:
+def _run_and_kill_a_worker(kind: str, client: Any, run_name: str, tmp_path: Path
+                           ) -> FaultedRun:
+    """A digits job of ``kind`` (torch or lightning) whose rank 0 is SIGKILLed right after Ray
+    Train committed its first checkpoint: each rank waits at a gate there
+    (``tests/fixtures/gated_digits.py``), before anything it logged after the commit has left
+    the process, so whatever the checkpoint holds must come back from it."""
     from raydeck.examples.digits import run_digits
+    from tests.fixtures.gated_digits import held
 
     key = f"{run_name}-{uuid.uuid4().hex[:8]}"
+    gate = tmp_path / "gate"
+    rank_zero = Path(f"{gate}.{kind}.0")
+    outcome: dict[str, Any] = {}
 
-    def kill_a_worker() -> None:
-        workers = _train_workers()
-        assert len(workers) == 2, workers
-        os.kill(workers[0].pid, signal.SIGKILL)
+    def train() -> None:
+        try:
+            outcome["result"] = run_digits(preset="cpu-2", config={"epochs": EPOCHS},
+                                           run_name=run_name, run_id=key,
+                                           train_fn=held(kind, str(gate), None))
+        except BaseException as exc:
+            outcome["error"] = exc
 
-    killed = run_through_a_fault(
-        client, key, lambda: run_digits(preset="cpu-2", config={"epochs": EPOCHS},
-                                        run_name=run_name, run_id=key, train_fn=train_fn),
-        KILL_AFTER_EPOCH, kill_a_worker, RUN_TIMEOUT_S)
-    print(f"\n{run_name}: worker killed after committed epoch {killed.committed_before_fault}; "
-          f"training resumed from epoch {killed.resumed_from} {killed.fault_to_resume_s:.1f} s "
-          f"after the kill; job {killed.wall_s:.0f} s")
+    started = time.monotonic()
+    thread = threading.Thread(target=train, name=f"{key}-driver")
+    thread.start()
+    try:
+        def at_gate() -> bool:
+            if not thread.is_alive():
+                raise AssertionError(f"the job ended before its first checkpoint: {outcome}")
+            return rank_zero.exists() and rank_zero.read_text() != ""
+
+        wait_until(at_gate, RUN_TIMEOUT_S, "rank 0 at the gate after the first checkpoint",
+                   interval_s=POLL_INTERVAL_S)
+        os.kill(int(rank_zero.read_text()), signal.SIGKILL)
+        killed_at = time.monotonic()
+        gate.touch()  # the restarted attempt passes it
+        resumed_from, _ = _wait_for_resume(client, key)
+        fault_to_resume_s = time.monotonic() - killed_at
+    finally:
+        gate.touch()
+        thread.join(RUN_TIMEOUT_S)
+    if "error" in outcome:
+        raise outcome["error"]
+    assert not thread.is_alive(), "the job did not finish"
+    killed = FaultedRun(key=key, result=outcome["result"], run=_find_run(client, key),
+                        committed_before_fault=0, resumed_from=resumed_from,
+                        fault_to_resume_s=fault_to_resume_s,
+                        wall_s=time.monotonic() - started)
+    print(f"\n{run_name}: rank 0 killed after committed epoch 0; training resumed from epoch "
+          f"{killed.resumed_from} {killed.fault_to_resume_s:.1f} s after the kill; "
+          f"job {killed.wall_s:.0f} s")
     return killed
 
 
@@ -174,11 +196,9 @@ def _assert_resumed_once_in_the_same_run(killed: FaultedRun) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_torch_worker_resumes_with_each_epoch_once(
-    ray_cluster: None, mlflow_client: Any
+    ray_cluster: None, mlflow_client: Any, tmp_path: Path
 ) -> None:
-    from raydeck.examples.digits import train_loop_per_worker
-
-    killed = _run_and_kill_a_worker(train_loop_per_worker, mlflow_client, "ft-torch")
+    killed = _run_and_kill_a_worker("torch", mlflow_client, "ft-torch", tmp_path)
     _assert_resumed_once_in_the_same_run(killed)
     # The world size goes with each checkpoint's points: once per epoch across the restart too.
     for key in ("train_loss", "val_loss", "val_accuracy", "samples_per_s", "raydeck/world_size"):
@@ -188,11 +208,9 @@ def test_a_killed_torch_worker_resumes_with_each_epoch_once(
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_killed_lightning_worker_resumes_with_each_step_once(
-    ray_cluster: None, mlflow_client: Any
+    ray_cluster: None, mlflow_client: Any, tmp_path: Path
 ) -> None:
-    from raydeck.examples.digits_lightning import train_loop_per_worker
-
-    killed = _run_and_kill_a_worker(train_loop_per_worker, mlflow_client, "ft-lightning")
+    killed = _run_and_kill_a_worker("lightning", mlflow_client, "ft-lightning", tmp_path)
     _assert_resumed_once_in_the_same_run(killed)
     run_id = killed.run.info.run_id
     epoch_end_steps = _steps(mlflow_client, run_id, "val_accuracy")

@@ -87,6 +87,29 @@ def _logged_step(trainer: pl.Trainer) -> int:
     return int(getattr(loop, "_batches_that_stepped", trainer.global_step))
 
 
+def _epoch_end_log(trainer: pl.Trainer) -> tuple[dict[str, Any], int]:
+    """What Lightning logs for the finished training epoch right *after* the callbacks'
+    ``on_train_epoch_end`` (``train_loss_epoch``..., and ``epoch``), and at which step, as its
+    fit loop's ``update_train_epoch_metrics`` will: computed now, so the epoch's checkpoint
+    holds them.
+
+    Lightning has no public accessor for the pending epoch-level values (``logged_metrics``
+    mixes them with everything logged before), so this reads its logger connector; on a
+    Lightning without it the values are logged when Lightning logs them, as before.
+    """
+    step = _logged_step(trainer) - 1  # Lightning steps back one for the epoch-end values
+    connector = getattr(trainer, "_logger_connector", None)
+    try:
+        pending = dict(connector.metrics["log"]) if connector is not None else {}
+    except (AttributeError, AssertionError, KeyError, TypeError):
+        return {}, step
+    if "step" in pending:
+        return pending, int(_number(pending.pop("step")))
+    if pending:
+        pending.setdefault("epoch", trainer.current_epoch)
+    return pending, step
+
+
 class RaydeckLogger(Logger):
     """Lightning's ``Logger`` on top of raydeck's tracker.
 
@@ -119,6 +142,9 @@ class RaydeckLogger(Logger):
         self._save_dir = None if save_dir is None else str(save_dir)
         self._held: list[MetricPoint] | None = None
         self._committed_step = 0
+        # Epoch-end values already stored in a committed checkpoint: (step, keys). Lightning
+        # logs them once more, after the callbacks' ``on_train_epoch_end``; that call skips them.
+        self._committed_late: tuple[int, frozenset[str]] = (-1, frozenset())
         self._uploaded_checkpoint = ""
 
     @property
@@ -170,15 +196,23 @@ class RaydeckLogger(Logger):
         Never raises on a key or value: keys are made legal, values that are not numbers are
         dropped; each is warned about once and counted.
         """
-        values = {key: _number(value)
-                  for key, value in _add_prefix(dict(metrics), self._prefix,
-                                                self.LOGGER_JOIN_CHAR).items()}
+        values = self._prefixed(metrics)
+        late_step, late_keys = self._committed_late
+        if step is not None and step == late_step:
+            values = {key: value for key, value in values.items() if key not in late_keys}
+            if not values:
+                return
         if self._held is not None and step is not None and step >= self._committed_step:
             timestamp_ms = int(time.time() * 1000)
             self._held.extend((key, value, timestamp_ms, int(step))
                               for key, value in values.items())
             return
         self.tracker.log_metrics(values, step=step, strict=False)
+
+    def _prefixed(self, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        return {key: _number(value)
+                for key, value in _add_prefix(dict(metrics), self._prefix,
+                                              self.LOGGER_JOIN_CHAR).items()}
 
     @override
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
@@ -231,9 +265,18 @@ class RaydeckLogger(Logger):
             self._held = []
         self._committed_step = committed_step
 
-    def take_held(self) -> list[MetricPoint]:
-        """The held values (they are now the caller's to log), keeping the hold on."""
+    def take_held(self, late: Mapping[str, Any], late_step: int) -> list[MetricPoint]:
+        """The held values (they are now the caller's to log), keeping the hold on, plus
+        ``late``: the epoch-end values Lightning will log at ``late_step`` only after the
+        callbacks' ``on_train_epoch_end``. They go into this commit, so a worker killed right
+        after it loses none of them; the later call skips them (:meth:`log_metrics`)."""
         held, self._held = self._held or [], ([] if self._held is not None else None)
+        values = self._prefixed(late)
+        if self._held is not None and values:
+            timestamp_ms = int(time.time() * 1000)
+            held.extend((key, value, timestamp_ms, late_step) for key, value in values.items()
+                        if isinstance(value, (int, float)))
+            self._committed_late = (late_step, frozenset(values))
         return held
 
     def committed(self, step: int) -> None:
@@ -300,8 +343,9 @@ class RaydeckReportCallback(pl.Callback):
             metrics = {key: value for key, value in metrics.items()
                        if isinstance(value, (int, float))}
             metrics.update(epoch=epoch, step=int(trainer.global_step))
-            points = [point for item in loggers for point in item.take_held()] if loggers \
-                else self._epoch_points(metrics, epoch)
+            late, late_step = _epoch_end_log(trainer)
+            points = [point for item in loggers for point in item.take_held(late, late_step)] \
+                if loggers else self._epoch_points(metrics, epoch)
             report_checkpoint(self.tracker, directory, metrics, epoch=epoch, points=points,
                               save_started=started)
             for item in loggers:
