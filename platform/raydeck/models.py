@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from raydeck._internal.pytorch_flavor import import_pytorch_flavor
 from raydeck.errors import ConfigError
 
 MODEL_ARTIFACT_PATH = "model"
@@ -99,8 +100,7 @@ def save_torch_model(model: Any, directory: Path, input_example: Any | None = No
     Returns:
         The model directory, ready for ``tracker.log_artifact`` or ``log_artifacts``.
     """
-    import mlflow.pytorch
-
+    mlflow_pytorch = import_pytorch_flavor()  # without Lightning's import, when unused
     target = directory / MODEL_ARTIFACT_PATH
     # MLflow warns on every pickle save; the choice is deliberate (see above), so say it once
     # here instead of in every job log.
@@ -108,7 +108,7 @@ def save_torch_model(model: Any, directory: Path, input_example: Any | None = No
     level = mlflow_logger.level
     mlflow_logger.setLevel(logging.ERROR)
     try:
-        mlflow.pytorch.save_model(
+        mlflow_pytorch.save_model(
             model.eval(), str(target), serialization_format="pickle",
             input_example=input_example,
             pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from ray import serve
 
+from raydeck._internal.pytorch_flavor import import_pytorch_flavor
 from raydeck.models import ModelRef, resolve_model_uri
 from raydeck.redaction import redact_text
 from raydeck.serving.batching import AdaptiveBatcher
@@ -125,6 +126,8 @@ def load(ref: ModelRef, settings: Settings) -> LoadedModel:
 
     from raydeck.storage import credentials_in_env
 
+    # A pytorch-flavor model's loader is mlflow.pytorch: imported here without Lightning.
+    import_pytorch_flavor()
     with credentials_in_env(settings.storage):
         mlflow.set_tracking_uri(settings.tracking.uri)
         model = mlflow.pyfunc.load_model(ref.pinned_uri)

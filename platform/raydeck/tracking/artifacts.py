@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from raydeck._internal.pytorch_flavor import FLAVOR, import_pytorch_flavor
 from raydeck.errors import TrackingValidationError
 
 _IMAGE_KEY = re.compile(r"^[a-zA-Z0-9_\-./ ]+$")
@@ -128,7 +129,8 @@ def save_model(model: Any, directory: Path, flavor: Any, save_kwargs: dict[str, 
     if flavor is None:
         flavor = _infer_flavor(model)
     if isinstance(flavor, str):
-        flavor = importlib.import_module(f"mlflow.{flavor}")
+        name = f"mlflow.{flavor}"
+        flavor = import_pytorch_flavor() if name == FLAVOR else importlib.import_module(name)
     if flavor.__name__ == "mlflow.pyfunc" and "python_model" not in save_kwargs:
         save_kwargs = {**save_kwargs, "python_model": model}
         flavor.save_model(str(directory), **save_kwargs)
