@@ -208,7 +208,7 @@ def ray_cluster(raydeck_env: dict[str, str]) -> Iterator[None]:
     """A local Ray instance for the session, started like `raydeck.cluster.connect` does."""
     import ray
 
-    from raydeck.cluster import job_runtime_env, local_serve_ingress
+    from raydeck.cluster import job_runtime_env, starting_ray
     from raydeck.config import load_settings
 
     # Ray's dashboard writes the Prometheus service-discovery file and Ray's Grafana dashboards
@@ -216,10 +216,10 @@ def ray_cluster(raydeck_env: dict[str, str]) -> Iterator[None]:
     # address="local": a cluster of its own, even if `ray start` runs on this machine.
     for attempt in range(RAY_START_ATTEMPTS):
         try:
-            # Serve's ingress as raydeck's own local Ray gets it (HAProxy here).
-            with local_serve_ingress("local"):
-                ray.init(address="local", num_cpus=RAY_NUM_CPUS,
-                         runtime_env=job_runtime_env(load_settings()),
+            # As raydeck's own local Ray starts: its settings and Serve's ingress (HAProxy here)
+            # in the processes' environment, no runtime env.
+            with starting_ray("local", job_runtime_env(load_settings())) as runtime_env:
+                ray.init(address="local", num_cpus=RAY_NUM_CPUS, runtime_env=runtime_env,
                          include_dashboard=True, dashboard_host="127.0.0.1", log_to_driver=True)
             break
         except Exception as exc:
