@@ -26,6 +26,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
@@ -65,6 +66,9 @@ QUEUE_SCRAPE_INTERVAL_S = 5.0
 # How often a wait asks the job server or MLflow: each check sends requests that a server on
 # the same 2 cores must answer, for minutes; seeing a change up to 1 s late costs nothing.
 SERVER_POLL_S = 1.0
+# How often a wait runs `raydeck queue` to read what a user reads: each is a new process that
+# imports Ray and connects to the head as a driver (about 2 CPU-s, the head's work besides).
+CLI_POLL_S = 3.0
 # How long the three-team test's 1-CPU jobs hold their gang: they end on their own, while the
 # digits job started before them trains.
 LIGHT_JOB_S = 3.0
@@ -275,25 +279,37 @@ def second_node(cluster: Cluster) -> Iterator[None]:
         cluster.head.remove_worker_nodes()
 
 
+def _ray_instances() -> int:
+    """Ray instances running on this machine: one GCS server each."""
+    found = 0
+    for proc in psutil.process_iter(["name"]):
+        found += proc.info["name"] == "gcs_server"
+    return found
+
+
 @pytest.fixture
-def another_ray(tmp_path: Path, raydeck_env: dict[str, str]) -> Iterator[RayHead]:
-    """A second Ray instance on this machine, apart from the queue's (the session's cluster may
-    not be up in this process: under two xdist streams this module runs where nothing else
-    needs it), for one test."""
+def another_ray(tmp_path: Path, raydeck_env: dict[str, str]) -> Iterator[None]:
+    """A second Ray instance on this machine besides the queue's, for one test: the one that
+    already runs, when there is one (the session's, under two xdist streams in the other
+    stream's process), else a small head of its own (the session's cluster may not be up in
+    this process: this module runs where nothing else needs it)."""
+    if _ray_instances() >= 2:
+        yield
+        return
     root = tmp_path / "another-ray"
     head = RayHead(root, head_env(raydeck_env["RAYDECK_TRACKING_URI"], root / "data"),
                    num_cpus=1).start()
     try:
-        yield head
+        yield
     finally:
         head.stop()
 
 
 def _explained(cluster: Cluster, check: Callable[[], bool], timeout_s: float, what: str,
-               *submission_ids: str) -> None:
+               *submission_ids: str, interval_s: float = SERVER_POLL_S) -> None:
     """wait_until, failing with the queue, the jobs and the named jobs' logs."""
     try:
-        wait_until(check, timeout_s, what, interval_s=SERVER_POLL_S)
+        wait_until(check, timeout_s, what, interval_s=interval_s)
     except TimeoutError as exc:
         logs = []
         for submission_id in submission_ids:
@@ -339,7 +355,7 @@ def _placed_as_the_queue_sees_it(cluster: Cluster, submission_id: str) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_three_teams_digits_jobs_on_two_nodes_start_in_policy_order_whole_within_quotas(
-        cluster: Cluster, second_node: None, mlflow_client: Any, another_ray: RayHead) -> None:
+        cluster: Cluster, second_node: None, mlflow_client: Any, another_ray: None) -> None:
     _ok(cluster.cli("queue", "--policy", "priority", "--teams", str(_teams(cluster))))
     # Two jobs hold real resources until cancelled, each on the only node it fits: b-hold
     # (6 CPU) on the head (8 CPU), then a-hold (3 CPU, 1 GPU) on the new node (4 CPU, 2 GPU).
@@ -453,7 +469,7 @@ def _unlisted(cluster: Cluster, *submission_ids: str) -> None:
         return not any(job in listing for job in submission_ids)
 
     try:
-        wait_until(gone, 60, "the queue to drop the ended jobs", interval_s=SERVER_POLL_S)
+        wait_until(gone, 60, "the queue to drop the ended jobs", interval_s=CLI_POLL_S)
     except TimeoutError:
         raise AssertionError(listing) from None
 
@@ -498,7 +514,8 @@ def test_low_priority_jobs_are_preempted_at_a_checkpoint_and_resume_in_their_run
     committed_before = {job: _latest_epoch(mlflow_client, job) for job in epochs}
     _explained(cluster, lambda: _ok(cluster.cli("queue", columns=WIDE_COLUMNS)).count(
         "preempted for raydeck-pre-high") == 2, 120,
-        "the queue to preempt both low-priority jobs", *(f"raydeck-{job}" for job in epochs))
+        "the queue to preempt both low-priority jobs", *(f"raydeck-{job}" for job in epochs),
+        interval_s=CLI_POLL_S)
     gate.touch()
     _explained(cluster, lambda: all(_ended(cluster, f"raydeck-{job}") for job in epochs), 180,
                "the low-priority jobs to stop at their next checkpoint",
@@ -673,7 +690,8 @@ def test_an_elastic_job_starts_small_grows_when_a_holder_ends_and_shrinks_for_a_
         # Started at one worker (the room beside the holder), shown while its workers start.
         _explained(cluster, lambda: re.search(r"raydeck-el\s.*workers 1 of 1-2 .*running",
                                               _ok(cluster.cli("queue"))) is not None, 120,
-                   "the elastic job to start at one worker", "raydeck-el")
+                   "the elastic job to start at one worker", "raydeck-el",
+                   interval_s=CLI_POLL_S)
         # It may be resized once it has a checkpoint to restart from.
         _explained(cluster, lambda: _latest_epoch(mlflow_client, "el") >= 0, 240,
                    "the elastic job to commit a checkpoint", "raydeck-el")
@@ -688,7 +706,8 @@ def test_an_elastic_job_starts_small_grows_when_a_holder_ends_and_shrinks_for_a_
         _explained(cluster, lambda: re.search(
             r"raydeck-el\s.*shrinks to 1 workers for raydeck-el-urgent",
             _ok(cluster.cli("queue", columns=WIDE_COLUMNS))) is not None, 180,
-            "the queue to ask the elastic job to shrink", "raydeck-el-r1")
+            "the queue to ask the elastic job to shrink", "raydeck-el-r1",
+            interval_s=CLI_POLL_S)
         grown_gate.touch()
         _explained(cluster, lambda: _ended(cluster, "raydeck-el-r2"), 400,
                    "the elastic job to shrink for the urgent one and end",
