@@ -51,6 +51,12 @@ TEST_ENV = {
     # replica on the controller's next broadcast, well within 2 s here.
     "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "2",
     "RAY_USAGE_STATS_ENABLED": "0",
+    # One compute thread per process. Ray sets a worker's OMP_NUM_THREADS to the CPUs it holds
+    # (when unset), and the suite's clusters declare more CPUs than the machine's 2 cores so that
+    # the jobs' gangs fit (8 on the queue's head): a 3- or 8-CPU digits worker ran torch on as
+    # many threads, which spin-wait for each other on a loaded machine (5 epochs of the digits
+    # MLP, load 10: 3.9 CPU-s and 14 s with 8, 0.3 CPU-s and 0.9 s with 1).
+    "OMP_NUM_THREADS": "1",
     # A raylet starts idle Python workers ahead of demand (for the first driver, and for queued
     # leases); in a run of many short-lived clusters and jobs many were never used, each 1-3
     # CPU-s (141 `ray::IDLE` processes ended in one run, 477 CPU-s; 119 and 365 CPU-s without

@@ -258,7 +258,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
                                 "--run-name", "leak-demo"], shell)
         # --register-as '': registering the best model with S3 artifacts fails in the sweep's
         # driver today (NoCredentialsError: it uploads to S3 directly, without the secret).
-        _run(scenario, "sweep", ["sweep", "--name", f"leak-sweep-{tag}", "--num-samples", "2",
+        _run(scenario, "sweep", ["sweep", "--name", f"leak-sweep-{tag}", "--num-samples", "1",
                                  "--max-t", "2", "--preset", "cpu-1", "--register-as", ""],
              shell)
         started = time.monotonic()

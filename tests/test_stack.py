@@ -50,7 +50,7 @@ PROMETHEUS_WAIT_S = 90.0
 NOTEBOOK_PARAMETERS = {
     "01-quickstart": "EPOCHS = 2",
     "02-compare-runs": "MODEL_NAME = 'stack-compare-best'",
-    "03-sweeps": "NUM_SAMPLES = 4\nMAX_T = 3\nREGISTER_AS = 'stack-notebook-sweep'",
+    "03-sweeps": "NUM_SAMPLES = 2\nMAX_T = 3\nREGISTER_AS = 'stack-notebook-sweep'",
     "04-cluster-jobs": "EPOCHS = 1",
 }
 NOTEBOOK_TIMEOUT_S = 600
