@@ -16,6 +16,8 @@ import subprocess
 import sys
 from importlib import metadata
 
+from raydeck.cluster import job_runtime_env
+from raydeck.config import Settings
 from raydeck.redaction import redact_command, redact_env, redact_text
 
 GIT_TIMEOUT_S = 3.0
@@ -58,13 +60,17 @@ def reproducibility_tags() -> dict[str, str]:
     return tags
 
 
-def runtime_env_json() -> str:
-    """The current Ray runtime env as JSON: variables by :func:`~raydeck.redaction.redact_env`,
-    and the whole document (URIs of working dirs, pip requirements) by
-    :func:`~raydeck.redaction.redact_text`."""
+def runtime_env_json(settings: Settings) -> str:
+    """The job's runtime env as JSON, its variables as the job's workers get them: raydeck's
+    settings in ``env_vars``, where a job gets them, or, on a local Ray that raydeck started,
+    from the processes' environment (:func:`raydeck.cluster.starting_ray`), recorded here all
+    the same, so the record reads alike however the job ran. Variables are redacted by
+    :func:`~raydeck.redaction.redact_env`, and the whole document (URIs of working dirs, pip
+    requirements) by :func:`~raydeck.redaction.redact_text`."""
     import ray
 
     runtime_env = dict(ray.get_runtime_context().runtime_env if ray.is_initialized() else {})
-    if isinstance(runtime_env.get("env_vars"), dict):
-        runtime_env["env_vars"] = redact_env(runtime_env["env_vars"])
+    env_vars = runtime_env.get("env_vars")
+    runtime_env["env_vars"] = redact_env({**job_runtime_env(settings)["env_vars"],
+                                          **(env_vars if isinstance(env_vars, dict) else {})})
     return redact_text(json.dumps(runtime_env, indent=2, sort_keys=True, default=str))

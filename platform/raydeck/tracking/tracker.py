@@ -141,7 +141,7 @@ class Tracker(StepPolicy, ArtifactLogging, ResumeHelpers):
             # A new run records how it was produced (git commit, command, versions, runtime env).
             self._provenance = True
             self.set_tags(reproducibility_tags())
-            self.log_text(runtime_env_json(), "raydeck/runtime_env.json")
+            self.log_text(runtime_env_json(self._settings), "raydeck/runtime_env.json")
 
     # --- identity ----------------------------------------------------------------------------
     def _binding(self) -> RunBinding:
