@@ -47,10 +47,12 @@ SWEEP = "stack-sweep"
 SWEEP_MODEL = "stack-sweep-best"
 PROMETHEUS_WAIT_S = 90.0
 # Each notebook's parameters for the suite: short trainings, small sweeps.
+SWEEP_NOTEBOOK_TRIALS = 2
 NOTEBOOK_PARAMETERS = {
     "01-quickstart": "EPOCHS = 2",
     "02-compare-runs": "MODEL_NAME = 'stack-compare-best'",
-    "03-sweeps": "NUM_SAMPLES = 2\nMAX_T = 3\nREGISTER_AS = 'stack-notebook-sweep'",
+    "03-sweeps": f"NUM_SAMPLES = {SWEEP_NOTEBOOK_TRIALS}\nMAX_T = 3\n"
+                 "REGISTER_AS = 'stack-notebook-sweep'",
     "04-cluster-jobs": "EPOCHS = 1",
 }
 NOTEBOOK_TIMEOUT_S = 600
@@ -274,7 +276,8 @@ def test_notebook_runs_against_the_stack(
         assert len(versions) == 1 and "registered: models:/stack-notebook-sweep/1" in text
         counts = re.search(r"\{'completed': (\d+), 'stopped_early': (\d+), "
                            r"'preempted': (\d+), 'errored': (\d+)\}", text)
-        assert counts and int(counts.group(1)) >= 1 and sum(map(int, counts.groups())) == 4
+        assert counts and int(counts.group(1)) >= 1
+        assert sum(map(int, counts.groups())) == SWEEP_NOTEBOOK_TRIALS
     elif path.stem == "04-cluster-jobs":
         assert text.count("/d/raydeck-training/raydeck-training?var-run=notebook-") == 2
         assert "SUCCEEDED" in text
