@@ -96,10 +96,12 @@ class FaultedRun:
 
 
 def run_through_a_fault(client: Any, key: str, job: Callable[[], Any], after_epoch: int,
-                        fault: Callable[[], None], timeout_s: float) -> FaultedRun:
+                        fault: Callable[[], None], timeout_s: float,
+                        ready: Callable[[Callable[[], bool]], int] | None = None) -> FaultedRun:
     """Run ``job`` (a digits run of run id ``key``) in a driver thread; once the checkpoint of
-    epoch ``after_epoch`` or later is committed, call ``fault``; wait for the training to
-    resume and the job to end (its error, if it raised, is raised here)."""
+    epoch ``after_epoch`` or later is committed (or ``ready(alive)``, given, returns the
+    committed epoch), call ``fault``; wait for the training to resume and the job to end (its
+    error, if it raised, is raised here)."""
     outcome: dict[str, Any] = {}
 
     def train() -> None:
@@ -112,7 +114,8 @@ def run_through_a_fault(client: Any, key: str, job: Callable[[], Any], after_epo
     thread = threading.Thread(target=train, name=f"{key}-driver")
     thread.start()
     try:
-        committed = _wait_for_committed_epoch(client, key, after_epoch, thread.is_alive)
+        committed = (ready(thread.is_alive) if ready is not None else
+                     _wait_for_committed_epoch(client, key, after_epoch, thread.is_alive))
         fault()
         resumed_from, fault_to_resume_s = _wait_for_resume(client, key)
     finally:
@@ -137,42 +140,29 @@ def _run_and_kill_a_worker(kind: str, client: Any, run_name: str, tmp_path: Path
     key = f"{run_name}-{uuid.uuid4().hex[:8]}"
     gate = tmp_path / "gate"
     rank_zero = Path(f"{gate}.{kind}.0")
-    outcome: dict[str, Any] = {}
 
-    def train() -> None:
-        try:
-            outcome["result"] = run_digits(preset="cpu-2", config={"epochs": EPOCHS},
-                                           run_name=run_name, run_id=key,
-                                           train_fn=held(kind, str(gate), None))
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    started = time.monotonic()
-    thread = threading.Thread(target=train, name=f"{key}-driver")
-    thread.start()
-    try:
-        def at_gate() -> bool:
-            if not thread.is_alive():
-                raise AssertionError(f"the job ended before its first checkpoint: {outcome}")
+    def at_gate(alive: Callable[[], bool]) -> int:
+        def there() -> bool:
+            if not alive():
+                raise AssertionError("the job ended before its first checkpoint")
             return rank_zero.exists() and rank_zero.read_text() != ""
 
-        wait_until(at_gate, RUN_TIMEOUT_S, "rank 0 at the gate after the first checkpoint",
+        wait_until(there, RUN_TIMEOUT_S, "rank 0 at the gate after the first checkpoint",
                    interval_s=POLL_INTERVAL_S)
+        return 0
+
+    def kill_rank_zero() -> None:
         os.kill(int(rank_zero.read_text()), signal.SIGKILL)
-        killed_at = time.monotonic()
         gate.touch()  # the restarted attempt passes it
-        resumed_from, _ = _wait_for_resume(client, key)
-        fault_to_resume_s = time.monotonic() - killed_at
+
+    try:
+        killed = run_through_a_fault(
+            client, key, lambda: run_digits(preset="cpu-2", config={"epochs": EPOCHS},
+                                            run_name=run_name, run_id=key,
+                                            train_fn=held(kind, str(gate), None)),
+            0, kill_rank_zero, RUN_TIMEOUT_S, ready=at_gate)
     finally:
         gate.touch()
-        thread.join(RUN_TIMEOUT_S)
-    if "error" in outcome:
-        raise outcome["error"]
-    assert not thread.is_alive(), "the job did not finish"
-    killed = FaultedRun(key=key, result=outcome["result"], run=_find_run(client, key),
-                        committed_before_fault=0, resumed_from=resumed_from,
-                        fault_to_resume_s=fault_to_resume_s,
-                        wall_s=time.monotonic() - started)
     print(f"\n{run_name}: rank 0 killed after committed epoch 0; training resumed from epoch "
           f"{killed.resumed_from} {killed.fault_to_resume_s:.1f} s after the kill; "
           f"job {killed.wall_s:.0f} s")
