@@ -162,7 +162,7 @@ def test_demo_and_sweep_use_the_stack_with_nothing_else_set(stack: dict[str, Any
     assert demo.returncode in (0, 1), demo.stdout[-3000:] + demo.stderr[-3000:]  # 1: accuracy
     assert "done" in demo.stdout, demo.stdout[-3000:]
     sweep = under_test.cli("sweep", "--name", SWEEP, "--space",
-                           str(ROOT / "jobs" / "sweep_digits.yaml"), "--num-samples", "2",
+                           str(ROOT / "jobs" / "sweep_digits.yaml"), "--num-samples", "1",
                            "--max-t", "2", "--register-as", SWEEP_MODEL)
     assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
     assert f"models:/{SWEEP_MODEL}/1" in sweep.stdout
