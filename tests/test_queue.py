@@ -111,16 +111,17 @@ class Cluster:
 
     def digits(self, name: str, preset: str, team: str, priority: int, epochs: int,
                job: str = "digits_torch.py", gate: Path | None = None,
-               pause_at_world_size: int | None = None) -> str:
+               pause_at_world_sizes: tuple[int, ...] = ()) -> str:
         """Queue a real digits job (``job``: jobs/digits_torch.py or digits_lightning.py); its
-        run is tagged ``name``. ``gate``: after its first checkpoint an attempt (of
-        ``pause_at_world_size`` workers, when given) waits until that file exists, unless the
-        queue told it to stop there (tests/fixtures/gated_digits.py)."""
+        run is tagged ``name``. ``gate``: after its first checkpoint an attempt waits until that
+        file exists, unless the queue told it to stop there; given ``pause_at_world_sizes``,
+        only an attempt of one of those sizes, each at ``gate.w<size>``
+        (tests/fixtures/gated_digits.py)."""
         kind = "lightning" if "lightning" in job else "torch"
         entry = ["gated_digits.py", "--queue"] if gate else [job, "--queue"]
         gated = [kind, str(gate)] if gate else []
-        if gate and pause_at_world_size:
-            gated += ["--pause-at-world-size", str(pause_at_world_size)]
+        if gate and pause_at_world_sizes:
+            gated += ["--pause-at-world-size", ",".join(map(str, pause_at_world_sizes))]
         return _ok(self.cli(
             "submit", *entry, "--no-check", "--runtime-env",
             "runtime.yaml", "--preset", preset, "--run-name", name, "--run-id", name, "--team",
@@ -661,11 +662,13 @@ def test_under_las_a_short_job_preempts_a_long_one_past_its_threshold_and_finish
           f"({(resumed.start_time - stopped.end_time) / 1000:.1f} s after its stop)")
 
 
-# The first attempt trains until the grow stops it: 12 of 16 epochs in a CI run where the
-# suite's other stream had the cores (nearly all). Twice that leaves the other attempts room;
-# the grown attempt waits at a gate until the queue has decided to shrink it (in that CI run
-# it trained to the end while the urgent job's `raydeck submit` ran, and never shrank).
-ELASTIC_EPOCHS = 32
+# Each attempt that is to be resized waits at a gate after its first checkpoint until the
+# queue has decided its resize, then stops at its next one: the first (one worker) trains
+# epochs 0-1, the grown one (two) 2-3, the shrunk one (one, its gate open) the rest. Ungated,
+# the first attempt trained 12 of 16 epochs before the grow stopped it in a CI run where the
+# suite's other stream had the cores, and the grown one once trained to the end while the
+# urgent job's `raydeck submit` ran, never shrinking; 32 epochs were needed to leave room.
+ELASTIC_EPOCHS = 6
 WORLD_SIZE_METRIC = "raydeck/world_size"
 
 
@@ -679,24 +682,31 @@ def test_an_elastic_job_starts_small_grows_when_a_holder_ends_and_shrinks_for_a_
     shrinks it back to one (``-r2``) instead of waiting or preempting it. The job finishes with
     every epoch once in one MLflow run, trained at world sizes 1, 2, 1."""
     _ok(cluster.cli("queue", "--policy", "priority", "--min-run", "1s"))
-    holder, urgent, grown_gate = (cluster.release_file(name)
-                                  for name in ("el-holder", "el-urgent", "el-grown"))
+    holder, urgent, gate = (cluster.release_file(name)
+                            for name in ("el-holder", "el-urgent", "el-gate"))
+    small_gate, grown_gate = (Path(f"{gate}.w{size}") for size in (1, 2))
     try:
         _ok(cluster.submit("el-holder", "h5", 0, "c", until=holder))
         _explained(cluster, lambda: "el-holder" in cluster.events(), 120,
                    "the holder to start", "raydeck-el-holder")
-        cluster.digits("el", "e3", "c", 0, ELASTIC_EPOCHS, gate=grown_gate,
-                       pause_at_world_size=2)
+        cluster.digits("el", "e3", "c", 0, ELASTIC_EPOCHS, gate=gate,
+                       pause_at_world_sizes=(1, 2))
         # Started at one worker (the room beside the holder), shown while its workers start.
         _explained(cluster, lambda: re.search(r"raydeck-el\s.*workers 1 of 1-2 .*running",
                                               _ok(cluster.cli("queue"))) is not None, 120,
                    "the elastic job to start at one worker", "raydeck-el",
                    interval_s=CLI_POLL_S)
-        # It may be resized once it has a checkpoint to restart from.
-        _explained(cluster, lambda: _latest_epoch(mlflow_client, "el") >= 0, 240,
+        # It may be resized once it has a checkpoint to restart from: it waits at its gate
+        # after the first.
+        _explained(cluster, lambda: Path(f"{small_gate}.torch.0").exists(), 240,
                    "the elastic job to commit a checkpoint", "raydeck-el")
         holder.touch()
         released_at = time.time()
+        _explained(cluster, lambda: re.search(
+            r"raydeck-el\s.*grows to 2 workers", _ok(cluster.cli("queue", columns=WIDE_COLUMNS)))
+            is not None, 180, "the queue to ask the elastic job to grow", "raydeck-el",
+            interval_s=CLI_POLL_S)
+        small_gate.touch()  # it stops at its next checkpoint; the shrunk attempt never waits
         _explained(cluster, lambda: _job_info(cluster, "raydeck-el-r1") is not None, 180,
                    "the elastic job to restart at two workers", "raydeck-el")
         _ok(cluster.submit("el-urgent", "u4", 0, "c", priority=5, until=urgent))
@@ -714,7 +724,7 @@ def test_an_elastic_job_starts_small_grows_when_a_holder_ends_and_shrinks_for_a_
                    "raydeck-el-r1", "raydeck-el-r2", "raydeck-el-urgent")
         assert "el-urgent" in cluster.events()  # it started beside the shrunk job
     finally:
-        for release in (holder, urgent, grown_gate):
+        for release in (holder, urgent, small_gate, grown_gate):
             release.touch()
         _ok(cluster.cli("queue", "--min-run", "10m"))
 
