@@ -747,8 +747,9 @@ def test_an_elastic_job_starts_small_grows_when_a_holder_ends_and_shrinks_for_a_
     _explained(cluster, lambda: _ended(cluster, "raydeck-el-urgent"), 120,
                "the urgent job to end", "raydeck-el-urgent")
     _unlisted(cluster, "raydeck-el", "raydeck-el-urgent", "raydeck-el-holder")
-    print(f"\nelastic resizes: grow (holder released) -> stopped at its next checkpoint "
-          f"{grown.end_time / 1000 - released_at:.1f} s later -> relaunched at 2 workers "
+    print(f"\nelastic resizes: grow (holder released; the gate opened once the queue showed "
+          f"the grow) -> stopped {grown.end_time / 1000 - released_at:.1f} s after the "
+          f"release -> relaunched at 2 workers "
           f"{(shrunk.start_time - grown.end_time) / 1000:.1f} s after the stop; shrink (urgent "
           f"job queued) -> stopped {shrunk.end_time / 1000 - urgent_at:.1f} s later -> "
           f"relaunched at 1 worker {(last.start_time - shrunk.end_time) / 1000:.1f} s after "
