@@ -170,7 +170,9 @@ def _mlflow_sources(uri: str, experiment: str, model: str) -> dict[str, bytes]:
             "name": run.info.run_name, "params": run.data.params, "tags": run.data.tags,
             "metrics": sorted(run.data.metrics),
         }).encode()
-    for version in client.search_model_versions(f"name = '{model}'"):
+    versions = client.search_model_versions(f"name = '{model}'")
+    assert versions, f"the sweep registered no {model}"  # else the registry goes unchecked
+    for version in versions:
         found[f"model {model} v{version.version}"] = json.dumps({
             "source": version.source, "tags": version.tags, "run_id": version.run_id,
             "description": version.description}).encode()
@@ -256,10 +258,10 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
         _run(scenario, "jobs", ["jobs"], shell)
         _run(scenario, "demo", ["demo", "--epochs", "3", "--preset", "cpu-1",
                                 "--run-name", "leak-demo"], shell)
-        # --register-as '': registering the best model with S3 artifacts fails in the sweep's
-        # driver today (NoCredentialsError: it uploads to S3 directly, without the secret).
+        # The best trial's model is logged to the artifact bucket and registered: the
+        # registry's version and its tags are among what is searched for secrets.
         _run(scenario, "sweep", ["sweep", "--name", f"leak-sweep-{tag}", "--num-samples", "1",
-                                 "--max-t", "2", "--preset", "cpu-1", "--register-as", ""],
+                                 "--max-t", "2", "--preset", "cpu-1", "--register-as", model],
              shell)
         started = time.monotonic()
         _outage(scenario, shell, mlflow)
