@@ -114,7 +114,12 @@ def test_a_restarted_shard_continues_from_its_spool(tmp_path: Path, mlflow_serve
     down = ShardCore(config)  # MLflow "down": nothing listens on port 9
     _open(down, key)
     down.ingest(_batch(key, 0, points=[("x", float(i), i, i) for i in range(3_000)]))
-    assert not down.wait_landed([key], 2).landed
+    report = down.wait_landed([key], 2)
+    assert not report.landed
+    # The report names the run that is stuck and what it holds, for the caller's error.
+    assert report.stuck == (f"run {key}: 3000 metric points, 1 run updates (last error: "
+                            f"{report.pending.last_error})",), report.stuck
+    assert report.pending.last_error
     assert down.stats()["queued_points"] == 3_000
     down.stop()
     up = ShardCore(ShardConfig(**{**config.__dict__, "tracking_uri": mlflow_server.uri}))

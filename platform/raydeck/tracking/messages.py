@@ -221,11 +221,13 @@ class LandedReport:
     """A shard's answer to "has this run's data been written?".
 
     ``dead_letters`` are the entities refused for good (never retried; the rest landed).
+    ``stuck`` names each run that still had something pending, with what (when not landed).
     """
 
     landed: bool
     pending: Pending
     dead_letters: tuple[DeadLetter, ...] = ()
+    stuck: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -255,28 +255,31 @@ def get_shard(namespace: str, index: int) -> Any:
     return ray.get_actor(shard_name(index), namespace=namespace)
 
 
-def wait_runs_landed(namespace: str, run_keys: list[str], timeout_s: float) -> bool:
+def wait_runs_landed(namespace: str, run_keys: list[str], timeout_s: float) -> str:
     """Wait up to ``timeout_s`` until the runs of ``run_keys`` exist in MLflow and everything
-    the proxy accepted for them is written (or set aside). True when it all landed.
+    the proxy accepted for them is written (or set aside).
 
-    For a supervisor that reads the runs back from MLflow (a sweep's summary): data logged by
-    processes that have ended may still be in the proxy, e.g. after an MLflow outage.
+    Returns "" when it all landed, else what is still pending, run by run (for the error a
+    caller raises). For a supervisor that reads the runs back from MLflow (a sweep's
+    summary): data logged by processes that have ended may still be in the proxy, e.g. after
+    an MLflow outage.
     """
     router = find_router(namespace)
     if router is None or not run_keys:
-        return True  # no proxy: nothing is pending anywhere
+        return ""  # no proxy: nothing is pending anywhere
     deadline = time.monotonic() + timeout_s
     by_shard: dict[int, list[str]] = {}
     for key, index in zip(run_keys, ray.get([router.shard_of.remote(k) for k in run_keys],
                                             timeout=timeout_s), strict=True):
         by_shard.setdefault(index, []).append(key)
+    stuck: list[str] = []
     for index, keys in by_shard.items():
         left = max(0.0, deadline - time.monotonic())
         report = ray.get(get_shard(namespace, index).wait_landed.remote(keys, left),
                          timeout=left + STATS_TIMEOUT_S)
         if not report.landed:
-            return False
-    return True
+            stuck += list(report.stuck) or [f"shard {index}: {report.pending.describe()}"]
+    return "; ".join(stuck)
 
 
 def end_unowned_run(settings: Settings, run_key: str, status: str, timeout_s: float) -> bool:
@@ -296,4 +299,5 @@ def end_unowned_run(settings: Settings, run_key: str, status: str, timeout_s: fl
             f"tracking proxy did not take the end of run {run_key} ({type(exc).__name__})"
         ) from None
     keys = sorted({run_key, *ended})
-    return wait_runs_landed(settings.ray_namespace, keys, max(1.0, deadline - time.monotonic()))
+    return not wait_runs_landed(settings.ray_namespace, keys,
+                                max(1.0, deadline - time.monotonic()))

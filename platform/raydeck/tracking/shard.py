@@ -227,23 +227,28 @@ class ShardCore:
         """Block until every accepted entity of these runs is written (or set aside).
 
         Never blocks longer than ``timeout_s``; the report then says exactly what is pending.
+        Console text of these runs is uploaded at once while this waits, also text that
+        arrives after the wait began (a process's last output can follow its run's end), not
+        after :data:`LOG_UPLOAD_INTERVAL_S`.
         """
         deadline = time.monotonic() + timeout_s
         with self._cv:
-            for key in run_keys:
-                if key in self._runs:
-                    self._runs[key].log_due = True
-            self._cv.notify_all()
             while True:
                 runs = [self._runs[k] for k in run_keys if k in self._runs]
-                if all(run.empty for run in runs):
+                waiting = [run for run in runs if not run.empty]
+                if any(not run.log_due for run in waiting):
+                    for run in waiting:
+                        run.log_due = True
+                    self._cv.notify_all()
+                if not waiting:
                     letters = tuple(d for k in run_keys for d in self.spool.dead_letters(k))
                     return LandedReport(True, Pending(), letters)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    total = sum_pending([run.pending() for run in runs])
+                    total = sum_pending([run.pending() for run in waiting])
                     letters = tuple(d for k in run_keys for d in self.spool.dead_letters(k))
-                    return LandedReport(False, total, letters)
+                    stuck = tuple(f"run {run.key}: {run.pending().describe()}" for run in waiting)
+                    return LandedReport(False, total, letters, stuck)
                 self._cv.wait(min(left, 0.5))
 
     def resolve(self, run_key: str, timeout_s: float) -> Resolution | None:

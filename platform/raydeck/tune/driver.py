@@ -430,14 +430,15 @@ def _finalize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any
     rerun = f"`raydeck sweep --name {config.name} --resume`"
     trial_keys = [config.trial_key(str(r.metrics["trial_id"])) for r in grid
                   if r.metrics and r.metrics.get("trial_id")]
-    if not wait_runs_landed(settings.ray_namespace, trial_keys,
-                            settings.tracking.finish_timeout_s):
+    pending = wait_runs_landed(settings.ray_namespace, trial_keys,
+                               settings.tracking.finish_timeout_s)
+    if pending:
         parent.set_tags({SWEEP_STATE_TAG: "summary_failed"})
         raise SweepFinalizeError(
             f"sweep {config.name!r}: every trial ended and their data is kept by the tracking "
             f"proxy, but it did not reach MLflow within {settings.tracking.finish_timeout_s:.0f}"
-            f" s (is MLflow reachable? `raydeck tracking status` shows what is pending); run "
-            f"{rerun} once it is, to summarize (no trial re-runs)")
+            f" s ({pending}; is MLflow reachable? `raydeck tracking status` shows what is "
+            f"pending); run {rerun} once it is, to summarize (no trial re-runs)")
     try:
         result = summarize(grid, config, monitor, parent, settings)
     except ConfigError:
