@@ -51,7 +51,10 @@ def two_nodes(tmp_path_factory: pytest.TempPathFactory, mlflow_server: MlflowSer
 
 def _harness(head: RayHead, server: MlflowServer, work_dir: Path, *args: str
              ) -> subprocess.Popen[str]:
+    # Two shards, as a cluster past one shard's ~700 ranks runs (the default is one): the
+    # proxy's routing of runs to shards stays proved under load and a node's removal.
     env = {**os.environ, **head.client_env, MARKER_ENV: head.marker,
+           "RAYDECK_TRACKING_SHARDS": "2",
            "PYTHONPATH": os.pathsep.join([str(REPO / "platform"), str(REPO)])}
     return subprocess.Popen(
         [sys.executable, str(HARNESS), "--address", head.gcs_address, "--mlflow-uri",

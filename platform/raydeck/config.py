@@ -91,7 +91,7 @@ class TrackingSettings(Section):
     experiment: str = setting("raydeck", "MLflow experiment for runs that name none")
     enabled: bool = setting(True, "false turns every tracker into a no-op")
     mode: str = setting("rank_zero", "rank_zero, all_ranks or per_rank")
-    shards: int = setting(2, "Writer shard actors behind the router")
+    shards: int = setting(1, "Writer shard actors behind the router (one takes ~700 ranks)")
     writers: int = setting(
         4, "MLflow writer threads per shard (1 for a sqlite: URI, which takes one writer)")
     flush_interval_s: float = setting(0.2, "How often a worker's buffer is sent to its shard")

@@ -51,8 +51,9 @@ def _ray_rows(address: str, namespace: str) -> tuple[list[tuple[str, str, str]],
             info = ray.get(router.status.remote(), timeout=15)
             active = sum(1 for run in info["runs"] if run["state"] == "active")
             queued = sum(s.get("queued_points", 0) for s in info["shards"])
+            shards = len(info["shards"])
             rows.append(("tracking proxy", "running",
-                         f"{len(info['shards'])} shards, {active} active runs, "
+                         f"{shards} shard{'s' if shards != 1 else ''}, {active} active runs, "
                          f"{queued} points queued"))
     finally:
         ray.shutdown()

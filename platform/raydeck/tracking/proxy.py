@@ -23,6 +23,7 @@ import ray
 
 from raydeck.config import Settings
 from raydeck.errors import TrackingUnavailableError
+from raydeck.redaction import redact_text
 from raydeck.tracking.liveness import ray_liveness
 from raydeck.tracking.messages import AttachRequest, ProxyConfig, RunBinding, ShardConfig
 from raydeck.tracking.outbox import Control
@@ -259,8 +260,8 @@ def wait_runs_landed(namespace: str, run_keys: list[str], timeout_s: float) -> s
     """Wait up to ``timeout_s`` until the runs of ``run_keys`` exist in MLflow and everything
     the proxy accepted for them is written (or set aside).
 
-    Returns "" when it all landed, else what is still pending, run by run (for the error a
-    caller raises). For a supervisor that reads the runs back from MLflow (a sweep's
+    Returns "" when it all landed, else what is still pending, run by run, redacted (for the
+    error a caller raises). For a supervisor that reads the runs back from MLflow (a sweep's
     summary): data logged by processes that have ended may still be in the proxy, e.g. after
     an MLflow outage.
     """
@@ -279,7 +280,7 @@ def wait_runs_landed(namespace: str, run_keys: list[str], timeout_s: float) -> s
                          timeout=left + STATS_TIMEOUT_S)
         if not report.landed:
             stuck += list(report.stuck) or [f"shard {index}: {report.pending.describe()}"]
-    return "; ".join(stuck)
+    return redact_text("; ".join(stuck))  # MLflow's errors can hold the URI's password
 
 
 def end_unowned_run(settings: Settings, run_key: str, status: str, timeout_s: float) -> bool:
