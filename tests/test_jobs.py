@@ -307,7 +307,9 @@ def test_a_plain_mlflow_loop_as_a_ray_job_submit_driver_keeps_every_point_while_
     """MLflow code that knows nothing of raydeck, submitted with ``ray job submit``; only its
     tracking URI says ``raydeck+``. MLflow is SIGKILLed from step 20 until the loop's last step
     (about 18 s): the loop never waits on it, ``end_run()`` returns once MLflow is back, and
-    every point lands once in the driver's one run."""
+    every point lands once in the driver's one run. (The same loop run as a plain process
+    beside the session's Ray was a test of its own in tests/test_mlflow_integrations.py, with
+    the same assertions; a job's driver is such a process, its environment from the job.)"""
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 

@@ -1,12 +1,12 @@
 """MLflow's own integrations, unchanged but for a ``raydeck+`` tracking URI, against a real
 MLflow server: Lightning's ``MLFlowLogger`` in a 2-worker Ray Train job (its MLflow server
-SIGKILLed mid-training),
-``mlflow.pytorch.autolog()`` around a Lightning fit (its params, metrics and model), Ray Tune's
-``MLflowLoggerCallback`` and ``setup_mlflow`` in an ASHA sweep, ``MlflowClient().log_batch`` from
-Ray actors, and a plain ``mlflow.log_metric`` loop (``jobs/mlflow_loop.py``) while its MLflow
-server is SIGKILLed. Every metric, param and tag lands once at its step, each run ends with the
-right status, and no stray run appears (counted through MLflow's REST API). The integrations'
-code is in :mod:`tests.fixtures.mlflow_integrations`.
+SIGKILLed mid-training), ``mlflow.pytorch.autolog()`` around a Lightning fit (its params,
+metrics and model), Ray Tune's ``MLflowLoggerCallback`` and ``setup_mlflow`` in an ASHA sweep,
+and ``MlflowClient().log_batch`` from Ray actors. A plain ``mlflow.log_metric`` loop
+(``jobs/mlflow_loop.py``) while its MLflow server is SIGKILLed runs as a ``ray job submit``
+driver in tests/test_jobs.py. Every metric, param and tag lands once at its step, each run ends
+with the right status, and no stray run appears (counted through MLflow's REST API). The
+integrations' code is in :mod:`tests.fixtures.mlflow_integrations`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.processes import wait_until
 from tests.fixtures.tracking import (
     driver_process,
-    loop_through_an_mlflow_kill,
     metric_steps,
     read_line_with,
 )
@@ -184,37 +183,6 @@ def test_mlflow_client_log_batch_from_ray_actors_lands_once(
         for actor in actors:
             ray.kill(actor)
     assert [r.info.run_id for r in _runs(mlflow_client, experiment)] == [run_id]
-
-
-@pytest.mark.timeout(240)
-def test_a_plain_mlflow_loop_keeps_every_point_while_mlflow_is_sigkilled(
-        ray_cluster: None, killable_mlflow: MlflowServer, tmp_path: Path) -> None:
-    from mlflow.tracking import MlflowClient
-
-    from raydeck.tracking.proxy import stop_proxy
-
-    client = MlflowClient(killable_mlflow.uri)
-    # One step a tenth of a second (training, simulated): MLflow is down from step 20 until the
-    # loop ends, about 18 s.
-    steps, down_at_step = 200, 20
-    namespace = f"raydeck-test-{uuid.uuid4().hex[:8]}"  # a proxy of its own for this server
-    proc = driver_process(
-        "import runpy, sys\n"
-        f"sys.argv = ['mlflow_loop.py', '--steps', '{steps}', '--step-time-s', '0.1']\n"
-        "runpy.run_path('jobs/mlflow_loop.py', run_name='__main__')\n",
-        env={"MLFLOW_TRACKING_URI": f"raydeck+{killable_mlflow.uri}",
-             "RAYDECK_RAY_NAMESPACE": namespace, "RAYDECK_DATA_DIR": str(tmp_path)})
-    try:
-        run_id = loop_through_an_mlflow_kill(proc, killable_mlflow, down_at_step, 60)
-    finally:
-        stop_proxy(namespace, 60)
-    run = client.get_run(run_id)
-    assert run.info.status == "FINISHED"
-    assert run.data.params == {"steps": str(steps), "lr": "0.1"}
-    assert run.data.tags["example"] == "mlflow_loop"
-    for key in ("loss", "accuracy"):
-        _assert_once_each(client, run_id, key, list(range(steps)))
-    assert [r.info.run_id for r in _runs(client, "Default")] == [run_id]
 
 
 @pytest.mark.timeout(300)

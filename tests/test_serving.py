@@ -89,8 +89,8 @@ def _label(form: str, prediction: Any) -> int:
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster: None, raydeck_env: dict[str, str], mlflow_client: Any,
-           prometheus: PrometheusServer) -> Iterator[Served]:
+def served(ray_cluster: None, raydeck_env: dict[str, str], mlflow_client: Any
+           ) -> Iterator[Served]:
     import ray
     from ray import serve
 
@@ -458,11 +458,12 @@ def test_config_out_writes_a_serve_config_that_ray_accepts_without_secrets(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_the_serving_dashboard_has_data_for_every_panel(
-        served: Served, prometheus: PrometheusServer) -> None:
+        served: Served, prometheus_for_one_test: PrometheusServer) -> None:
     from raydeck.observability.dashboard_check import check
     from raydeck.observability.dashboards import load_dashboards
     from raydeck.observability.metrics import METRICS
 
+    prometheus = prometheus_for_one_test
     dashboard = [d for d in load_dashboards(DASHBOARDS_DIR) if d.uid == "raydeck-serving"]
     started = time.time()
     body = json.dumps({"inputs": [[0.0] * 64]}).encode()
