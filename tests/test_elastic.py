@@ -35,6 +35,8 @@ from tests.fixtures.ray_head import (
     HEAD_STARTUP_TIMEOUT_S,
     MARKER_ENV,
     SLOW_MACHINE_ENV,
+    WORKER_NODE_ATTEMPTS,
+    joined,
     new_marker,
     reap,
     worker_node_process,
@@ -178,14 +180,18 @@ def joined_node(ray_cluster: None, tmp_path: Path) -> Iterator[ManagedProcess]:
     address_file = Path("/tmp/ray/ray_current_cluster")
     recorded = address_file.read_text() if address_file.exists() else None
     marker = new_marker()
-    node = worker_node_process(
-        ray.get_runtime_context().gcs_address, NODE_CPUS,
-        {**os.environ, **SLOW_MACHINE_ENV, MARKER_ENV: marker}, tmp_path / "ray-node.log",
-    ).start()
     try:
-        wait_until(lambda: _alive_nodes() == 2 or not node.alive(), HEAD_STARTUP_TIMEOUT_S,
-                   "the second node to join", interval_s=0.5)
-        assert node.alive(), node.log_tail()
+        for attempt in range(1, WORKER_NODE_ATTEMPTS + 1):
+            node = worker_node_process(
+                ray.get_runtime_context().gcs_address, NODE_CPUS,
+                {**os.environ, **SLOW_MACHINE_ENV, MARKER_ENV: marker},
+                tmp_path / f"ray-node-{attempt}.log",
+            ).start()
+            if joined(node, lambda: _alive_nodes() == 2, marker, 1, "the second node to join"):
+                break
+            node.stop()
+            reap(marker)
+        assert node.alive() and _alive_nodes() == 2, node.log_tail()
         _refresh_elastic_view()
         yield node
     finally:
