@@ -180,22 +180,26 @@ def joined_node(ray_cluster: None, tmp_path: Path) -> Iterator[ManagedProcess]:
     address_file = Path("/tmp/ray/ray_current_cluster")
     recorded = address_file.read_text() if address_file.exists() else None
     marker = new_marker()
+    started: list[ManagedProcess] = []
     try:
         for attempt in range(1, WORKER_NODE_ATTEMPTS + 1):
-            node = worker_node_process(
+            started.append(worker_node_process(
                 ray.get_runtime_context().gcs_address, NODE_CPUS,
                 {**os.environ, **SLOW_MACHINE_ENV, MARKER_ENV: marker},
                 tmp_path / f"ray-node-{attempt}.log",
-            ).start()
-            if joined(node, lambda: _alive_nodes() == 2, marker, 1, "the second node to join"):
+            ).start())
+            if joined(started[-1], lambda: _alive_nodes() == 2, marker, 1,
+                      "the second node to join"):
                 break
-            node.stop()
+            started[-1].stop()
             reap(marker)
+        node = started[-1]
         assert node.alive() and _alive_nodes() == 2, node.log_tail()
         _refresh_elastic_view()
         yield node
     finally:
-        node.stop()
+        for node in started:
+            node.stop()
         reap(marker)
         if recorded is None:
             address_file.unlink(missing_ok=True)
