@@ -381,9 +381,14 @@ def test_distributed_trials_on_two_nodes_keep_their_state_in_s3_and_resume_after
     buckets = {"RAYDECK_S3_ARTIFACTS_BUCKET": f"sw-art-{key}",
                "RAYDECK_S3_CHECKPOINTS_BUCKET": f"sw-ckpt-{key}", "RAYDECK_S3_PREFIX": "team"}
     init_buckets(load_settings(env=s3_server.settings_env(**buckets)).storage, probe=False)
+    # Six epochs, stopped once the first is in MLflow: a SIGTERM lets the trial train on while
+    # the driver marks it (1.5 s) and Tune stops it, and an epoch takes about 2 s here; with three
+    # epochs the trial could report its last one first, end "completed", and leave nothing to
+    # resume (CI saw that: 0 trials marked preempted).
+    epochs = 6
     space = tmp_path / "space.yaml"
     space.write_text(json.dumps({"lr": {"loguniform": [0.003, 0.01]},
-                                 "hidden": {"choice": [32, 64]}, "epochs": 3}))
+                                 "hidden": {"choice": [32, 64]}, "epochs": epochs}))
     # One trial of two 1-CPU workers, one on each node: both nodes train it, and it is running
     # when the driver is stopped. (A second trial would prove nothing more about S3 or the
     # resume, and it doubles the processes a trial starts: its Tune actor, Ray Train's four and
@@ -393,7 +398,7 @@ def test_distributed_trials_on_two_nodes_keep_their_state_in_s3_and_resume_after
                                                 "placement_strategy": "STRICT_SPREAD"}}))
     args = _sweep_command("--space", str(space), "--name", name, "--job",
                           "raydeck.examples.digits:digits_distributed_sweep_job",
-                          "--preset", "spread-2", "--num-samples", "1", "--max-t", "3",
+                          "--preset", "spread-2", "--num-samples", "1", "--max-t", str(epochs),
                           "--scheduler", "fifo", "--register-as", model_name)
 
     def driver_env(data_dir: Path) -> dict[str, str]:
@@ -414,7 +419,7 @@ def test_distributed_trials_on_two_nodes_keep_their_state_in_s3_and_resume_after
     driver.env = driver_env(first_dir / "data")
     driver.start()
     try:
-        # Stop it as `ray job stop` does (SIGTERM) once its first epoch landed (two to go).
+        # Stop it as `ray job stop` does (SIGTERM) once its first epoch landed.
         wait_until(lambda: _epochs_logged(mlflow_client, name) >= 1 or not driver.alive(),
                    RUN_TIMEOUT_S, "an epoch logged", interval_s=0.5)
         assert driver.alive(), driver.log_tail()
@@ -437,7 +442,7 @@ def test_distributed_trials_on_two_nodes_keep_their_state_in_s3_and_resume_after
     # The marks go through the tracking proxy, which lands them moments after the driver exits.
     wait_until(lambda: len(preempted_children()) == marked, 60, "preempted trials landed",
                interval_s=0.5)
-    assert marked and all(c.info.status == "KILLED" for c in preempted_children())
+    assert marked and all(c.info.status == "KILLED" for c in preempted_children()), log[-3000:]
 
     # Resume from another directory, with a data dir of its own: the state is in the bucket.
     second_dir = tmp_path / "second"
@@ -453,7 +458,7 @@ def test_distributed_trials_on_two_nodes_keep_their_state_in_s3_and_resume_after
     assert len(children) == 1
     for child in children:
         assert child.data.tags["raydeck.trial_status"] == "completed", child.data.tags
-        assert _steps(mlflow_client, child.info.run_id) == [0, 1, 2]
+        assert _steps(mlflow_client, child.info.run_id) == list(range(epochs))
         assert child.data.tags.get("raydeck.trial_resumed") == "true", child.data.tags
     assert len(_train_worker_nodes(two_node_cluster)) == 2
     assert parent.data.tags["raydeck.registered_model"] == f"models:/{model_name}/1"
