@@ -501,7 +501,7 @@ def test_low_priority_jobs_are_preempted_at_a_checkpoint_and_resume_in_their_run
     # to resume from, when the high job comes (a Lightning worker group takes up to two minutes
     # to start here, a PyTorch one seconds); the gate opens once the queue has decided, and
     # each stops at its next checkpoint, whatever the machine's speed.
-    epochs = {"pre-low": 8, "pre-lit": 6}
+    epochs = {"pre-low": 4, "pre-lit": 3}
     gate = cluster.release_file("preemption")
     cluster.digits("pre-low", "d3", "c", 0, epochs["pre-low"], gate=gate)
     cluster.digits("pre-lit", "d3", "c", 0, epochs["pre-lit"], job="digits_lightning.py",
