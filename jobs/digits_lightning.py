@@ -10,6 +10,9 @@ Lightning utilities (RayDDPStrategy, RayLightningEnvironment, prepare_trainer) w
 ``RaydeckLogger``, ``RaydeckReportCallback`` and ``resume``, so a worker that dies costs at
 most one epoch and every step appears once in MLflow. To resume a run whose driver died, run
 the job again with ``--run-id`` set to that run's id.
+
+On an elastic preset (``--preset cpu-1-4``) each worker keeps ``--batch-size`` and ``--lr`` at
+every size, as ``jobs/digits_torch.py`` does: the global batch grows with the workers.
 """
 
 from __future__ import annotations

@@ -10,6 +10,12 @@ tracker with ``raydeck.get_tracker()`` (no run id passed around), restores the l
 after a failure, and reports every epoch with ``raydeck.checkpointing.report_epoch`` so each
 epoch appears once in MLflow. Copy it as the starting point of your own job. To resume a run
 whose driver died, run the job again with ``--run-id`` set to that run's id.
+
+On an elastic preset (``--preset cpu-1-4``: Ray Train, or the queue, picks the size and may
+restart the job at another from its latest checkpoint) each worker keeps ``--batch-size`` and
+``--lr`` at every size, so the global batch is the batch size times the workers. To keep the
+global batch instead, divide it by ``ray.train.get_context().get_world_size()`` in the loop,
+which sees the size it was (re)started at.
 """
 
 from __future__ import annotations
