@@ -29,6 +29,7 @@ from raydeck.config import Settings, load_settings
 from raydeck.errors import ConfigError
 from raydeck.jobs import submitted_runtime_env
 from raydeck.secrets import Secret
+from raydeck.serve_ingress import HAPROXY_RETRY_ON
 from raydeck.serving import ServeOptions, serve_config
 from raydeck.stack.launchers import LAUNCHERS, StackContext
 from raydeck.stack.services import SECRET_SETTINGS_ENV, SERVICES, service
@@ -220,7 +221,7 @@ def test_every_ray_pod_serves_through_haproxy_unless_told_not() -> None:
         assert _env(template["spec"]["containers"][0])["RAY_SERVE_ENABLE_HA_PROXY"] == {
             "name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}
         assert _env(template["spec"]["containers"][0])["RAY_SERVE_HAPROXY_RETRY_ON"][
-            "value"] == "conn-failure empty-response junk-response"
+            "value"] == HAPROXY_RETRY_ON
     head, workers = _head_and_worker_env(_render(options=kuberay.KubeRayOptions(
         haproxy_ingress=False)))
     assert {env["RAY_SERVE_ENABLE_HA_PROXY"]["value"] for env in (head, *workers)} == {"0"}

@@ -22,6 +22,7 @@ from raydeck.serve_ingress import (
     HAPROXY_ENV,
     HAPROXY_PORT_ENVS,
     HAPROXY_RETRY_ENV,
+    HAPROXY_RETRY_ON,
     haproxy_binary,
     local_node_env,
     node_env,
@@ -40,9 +41,12 @@ def test_the_users_value_wins_else_haproxy_where_it_is_found() -> None:
     assert not uses_haproxy({HAPROXY_ENV: "true"}, haproxy_found=True)  # as Ray reads it
     assert uses_haproxy({HAPROXY_ENV: ""}, haproxy_found=True)  # empty is unset, as compose's :-
     # With HAProxy, a dead replica's requests are resent to another (predictions are safe to
-    # send twice); never on a timeout or a status, which the model's own answers produce.
-    assert node_env(True) == {HAPROXY_ENV: "1",
-                              HAPROXY_RETRY_ENV: "conn-failure empty-response junk-response"}
+    # send twice); never on a timeout or a status, which the model's own answers produce. Ray
+    # writes the value into HAProxy's config as it is: the policy, then on a line of its own the
+    # option without which HAProxy resends no POST.
+    assert node_env(True) == {HAPROXY_ENV: "1", HAPROXY_RETRY_ENV: HAPROXY_RETRY_ON}
+    assert HAPROXY_RETRY_ON.splitlines() == ["conn-failure empty-response junk-response",
+                                             "    option http-buffer-request"]
     assert node_env(False) == {HAPROXY_ENV: "0"}
 
 
@@ -73,7 +77,7 @@ def test_a_local_ray_gets_haproxy_with_ports_of_its_own() -> None:
     assert local_node_env(mine)[HAPROXY_ENV] == "0"
     assert HAPROXY_RETRY_ENV not in local_node_env(mine)  # Serve's proxy: nothing to retry
     assert local_node_env({HAPROXY_RETRY_ENV: "conn-failure"})[HAPROXY_RETRY_ENV] == "conn-failure"
-    assert first[HAPROXY_RETRY_ENV] == "conn-failure empty-response junk-response"
+    assert first[HAPROXY_RETRY_ENV] == HAPROXY_RETRY_ON
     assert local_node_env(mine)[HAPROXY_PORT_ENVS[1]] == "9999"
 
 
@@ -84,7 +88,7 @@ def test_connect_sets_them_only_for_the_local_ray_it_may_start(
     for address in ("", "local"):
         with local_serve_ingress(address):
             assert os.environ[HAPROXY_ENV] == "1"
-            assert os.environ[HAPROXY_RETRY_ENV] == "conn-failure empty-response junk-response"
+            assert os.environ[HAPROXY_RETRY_ENV] == HAPROXY_RETRY_ON
             assert all(os.environ[name].isdigit() for name in HAPROXY_PORT_ENVS)
         # As before: the processes this one starts later inherit neither ports nor policy.
         assert not {HAPROXY_ENV, HAPROXY_RETRY_ENV, *HAPROXY_PORT_ENVS} & set(os.environ)
