@@ -82,7 +82,7 @@ def main() -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.storage import checkpoint_storage, init_buckets
 
     # Ray Train logs every persisted checkpoint at INFO; the table is the output here.

@@ -1,9 +1,9 @@
 """Convert a job trace of the Tiresias simulator (SymbioticLab/Tiresias, ``simulator/*_job.csv``:
 ``job_id,num_gpu,submit_time,iterations,model_name,duration,interval``) to raydeck's trace CSV
-(:mod:`raydeck.scheduling.trace`), as ``benchmarks/traces/tiresias_60_job.csv`` was made.
+(:mod:`raydeck.scheduling.simulator.trace`), as ``benchmarks/traces/tiresias_60_job.csv`` was made.
 
 Kept: submission time, duration (seconds) and GPUs. Added, since the trace has none: 2 CPUs per
-GPU (as :func:`~raydeck.scheduling.trace.generate_trace`, so CPUs never bind), one team
+GPU (as :func:`~raydeck.scheduling.simulator.trace.generate_trace`, so CPUs never bind), one team
 (``tiresias``), priority 0, no estimate and no checkpoint interval (the benchmark sets both).
 
 Run: ``.venv/bin/python benchmarks/convert_tiresias_trace.py 60_job.csv OUT.csv``.

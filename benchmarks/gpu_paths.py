@@ -17,9 +17,9 @@ Checks (each independent; a failure is recorded with its traceback and the next 
 - ``train:<preset>[:<backend>]``: a Ray Train ``TorchTrainer`` with the preset's
   ``ScalingConfig`` trains raydeck's digits MLP on digits-shaped random data (prepare_model,
   prepare_data_loader); every worker reports its devices, GPU ids, epoch times and a sampler
-  reading. Without a backend, the one ``raydeck.training.fit`` chooses (gloo for workers that
+  reading. Without a backend, the one ``raydeck.train.trainer.fit`` chooses (gloo for workers that
   share a GPU, else Ray Train's default: NCCL on GPUs).
-- ``tracked``: ``raydeck.training.fit`` with a tracker (tracker -> proxy -> MLflow on a local
+- ``tracked``: ``raydeck.train.trainer.fit`` with a tracker (tracker -> proxy -> MLflow on a local
   SQLite store), then the system metrics read back from MLflow.
 
 Results: one JSON file (``<out>/gpu_check.json``, rewritten after every check) and a summary on
@@ -98,8 +98,8 @@ def _burst(device: Any, seconds: float) -> int:
 
 def _sample(node_view: bool) -> dict[str, Any]:
     """One reading of raydeck's sampler, built the way a tracker builds it (``sampler_for``)."""
-    from raydeck.tracking.context import detect_process
-    from raydeck.tracking.system_metrics import assigned_gpus, sampler_for
+    from raydeck.tracking.client.context import detect_process
+    from raydeck.tracking.client.system_metrics import assigned_gpus, sampler_for
 
     sampler = sampler_for(detect_process(), node_view=node_view)
     if sampler is None:
@@ -192,7 +192,8 @@ def check_resources() -> dict[str, Any]:
     import torch
 
     from raydeck.errors import InfeasibleResourcesError
-    from raydeck.scaling import check_feasible, cluster_resources, get_preset
+    from raydeck.train.feasibility import check_feasible, cluster_resources
+    from raydeck.train.presets import get_preset
 
     value: dict[str, Any] = {
         "torch": torch.__version__, "torch_cuda": torch.version.cuda,
@@ -269,7 +270,7 @@ def _sample_node() -> dict[str, float]:
     """The driver's node-view reading (every GPU of the node)."""
     import ray
 
-    from raydeck.tracking.system_metrics import SystemSampler
+    from raydeck.tracking.client.system_metrics import SystemSampler
 
     sampler = SystemSampler(ray.util.get_node_ip_address())
     sampler.sample()
@@ -322,14 +323,14 @@ def check_train(preset_name: str, backend: str | None, storage: Path, epochs: in
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raydeck.scaling import get_preset
-    from raydeck.training import torch_config
+    from raydeck.train.presets import get_preset
+    from raydeck.train.trainer import torch_config
 
     preset = get_preset(preset_name)
     name = f"{preset_name}-{backend or 'default'}-{int(time.time())}"
     out = storage / name
     out.mkdir(parents=True)
-    # Without a backend: the one raydeck.training.fit chooses for these workers.
+    # Without a backend: the one raydeck.train.trainer.fit chooses for these workers.
     config = TorchConfig(backend=backend) if backend else torch_config(preset.scaling_config())
     trainer = TorchTrainer(
         _train_worker, train_loop_config={"out": str(out), "epochs": epochs},
@@ -399,14 +400,14 @@ def _leftovers(wait_s: float = 15.0) -> dict[str, Any]:
 
 
 def check_tracked(preset_name: str, epochs: int, timeout_s: float) -> dict[str, Any]:
-    """raydeck.training.fit with a tracker; system metrics read back from MLflow."""
+    """raydeck.train.trainer.fit with a tracker; system metrics read back from MLflow."""
     from mlflow import MlflowClient
 
-    from raydeck.cluster import connect
-    from raydeck.config import load_settings
-    from raydeck.scaling import get_preset
+    from raydeck.cluster.connection import connect
+    from raydeck.config.settings import load_settings
     from raydeck.tracking import get_tracker
-    from raydeck.training import fit
+    from raydeck.train.presets import get_preset
+    from raydeck.train.trainer import fit
 
     settings = connect(load_settings())
     preset = get_preset(preset_name)

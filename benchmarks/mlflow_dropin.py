@@ -84,8 +84,8 @@ def main() -> None:
         os.environ.update(measured_tracking_env(root / "data"))
         import ray
 
-        from raydeck.cluster import job_runtime_env
-        from raydeck.config import load_settings
+        from raydeck.cluster.connection import job_runtime_env
+        from raydeck.config.settings import load_settings
 
         server = MlflowServer(root / "mlflow").start()
         try:

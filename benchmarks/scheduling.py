@@ -2,7 +2,7 @@
 
 Replays a seeded synthetic trace and each public trace in ``benchmarks/traces/`` (source,
 licence and conversion in its README; each on its own cluster size), or only ``--trace`` (your
-own cluster's CSV, format in ``raydeck.scheduling.trace``), through every policy with the
+own cluster's CSV, format in ``raydeck.scheduling.simulator.trace``), through every policy with the
 simulator, which drives the same policy objects the queue uses, and prints per policy: average
 and p95 job completion time (JCT), average queueing delay, the longest wait, GPU utilization
 over the replay, Jain's fairness index across teams (of their mean slowdown), the top priority's
@@ -57,7 +57,7 @@ from raydeck.scheduling import (
     read_trace,
     simulate,
 )
-from raydeck.scheduling.attained_service import service_rate
+from raydeck.scheduling.policies.attained_service import service_rate
 
 POLICIES = ("fifo", "priority", "fairshare", "sjf", "backfill", "backfill-sjf")
 COMPARED = ("fifo", "sjf", "backfill-sjf", "las", "gittins")

@@ -316,10 +316,11 @@ def raydeck_points(ingress: str, model_uri: str, args: argparse.Namespace,
     import ray
     from ray import serve
 
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.errors import InfeasibleResourcesError
-    from raydeck.scaling import check_feasible, get_preset
     from raydeck.serving import ServeOptions, deploy
+    from raydeck.train.feasibility import check_feasible
+    from raydeck.train.presets import get_preset
 
     metrics_port = free_port()
     # The machine's cores and the GPUs Ray detects. Exports every second instead of 10, so

@@ -156,8 +156,8 @@ def bench_backend(name: str, server: MlflowServer, root: Path, points: int
                   ) -> list[tuple[str, str, str]]:
     from mlflow.tracking import MlflowClient
 
-    from raydeck.config import load_settings
-    from raydeck.tracking.proxy import stop_proxy
+    from raydeck.config.settings import load_settings
+    from raydeck.tracking.proxy.actors import stop_proxy
 
     client = MlflowClient(server.uri)
     run_id = client.create_run(client.create_experiment(f"bench-{name}")).info.run_id
@@ -201,8 +201,8 @@ def main() -> None:
         os.environ.update(measured_tracking_env(root / "data"))
         import ray
 
-        from raydeck.cluster import connect, job_runtime_env
-        from raydeck.config import load_settings
+        from raydeck.cluster.connection import connect, job_runtime_env
+        from raydeck.config.settings import load_settings
 
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
                  runtime_env=job_runtime_env(load_settings()))

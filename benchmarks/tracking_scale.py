@@ -2,7 +2,7 @@
 
 Each Ray node (a ``ray start`` head and ``ray start --address`` worker nodes on this machine,
 as several machines would be) runs rank-host actors; each host holds many virtual ranks, each a
-real raydeck :class:`~raydeck.tracking.tracker.Tracker` attached through raydeck's own attach
+real raydeck :class:`~raydeck.tracking.client.tracker.Tracker` attached through raydeck's own attach
 path (its own ``ProcessInfo``: rank, world size, the host actor as its Ray actor), so every
 rank has its own buffer, flusher, heartbeats, router membership and shard batches, exactly as
 a Ray Train worker's tracker has. The ranks of one run (``--ranks-per-run``) log in
@@ -115,7 +115,7 @@ class RankHost:
 
         import ray
 
-        from raydeck.tracking.attach import _attach_new
+        from raydeck.tracking.client.attach import _attach_new
         from raydeck.tracking.messages import ProcessInfo
 
         runtime = ray.get_runtime_context()
@@ -362,7 +362,7 @@ def run_scale(load: Load, settings: Any, mlflow_db: Path, work_dir: Path,
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from raydeck.tracking.proxy import find_router, stop_proxy, wait_runs_landed
+    from raydeck.tracking.proxy.actors import find_router, stop_proxy, wait_runs_landed
 
     work_dir.mkdir(parents=True, exist_ok=True)
     stop_path = work_dir / "stop"
@@ -570,7 +570,7 @@ def cluster(root: Path, worker_nodes: int, node_cpus: int) -> Iterator[tuple[Ray
 
 
 def scale_settings(mlflow_uri: str, data_dir: Path) -> Any:
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
 
     base = load_settings()
     return dataclasses.replace(
@@ -582,7 +582,7 @@ def scale_settings(mlflow_uri: str, data_dir: Path) -> Any:
 def connect(address: str, settings: Any) -> None:
     import ray
 
-    from raydeck.cluster import job_runtime_env
+    from raydeck.cluster.connection import job_runtime_env
 
     ray.init(address=address, include_dashboard=False, log_to_driver=False,
              runtime_env=job_runtime_env(settings))

@@ -60,8 +60,8 @@ def main() -> None:
         os.environ.update(measured_tracking_env(root / "data"))
         import ray
 
-        from raydeck.cluster import connect, job_runtime_env
-        from raydeck.config import load_settings
+        from raydeck.cluster.connection import connect, job_runtime_env
+        from raydeck.config.settings import load_settings
 
         server = MlflowServer(root / "mlflow").start()
         ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
@@ -82,8 +82,8 @@ def soak(server: MlflowServer, args: argparse.Namespace) -> dict[str, str]:
     import ray
 
     import raydeck
-    from raydeck.config import load_settings
-    from raydeck.tracking.proxy import find_router, get_shard, stop_proxy
+    from raydeck.config.settings import load_settings
+    from raydeck.tracking.proxy.actors import find_router, get_shard, stop_proxy
 
     base = load_settings()
     settings = dataclasses.replace(

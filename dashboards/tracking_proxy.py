@@ -1,6 +1,6 @@
 """Tracking proxy: is the pipeline from trackers to MLflow keeping up, and is anything lost.
 
-Reads the proxy's own metrics (raydeck.tracking.metrics). Rendered to
+Reads the proxy's own metrics (raydeck.tracking.proxy.metrics). Rendered to
 grafana/raydeck-tracking-proxy.json.
 """
 

@@ -1,6 +1,6 @@
 """Training: per run, is it progressing, how fast, is the loss moving, are checkpoints landing.
 
-Reads what `raydeck.checkpointing.report_epoch` exports from every rank (run, rank, job_id
+Reads what `raydeck.train.checkpointing.report_epoch` exports from every rank (run, rank, job_id
 labels), plus Ray Train's controller state. Rendered to grafana/raydeck-training.json.
 """
 

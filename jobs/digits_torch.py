@@ -7,7 +7,7 @@ On a cluster:     ray job submit --runtime-env runtime_envs/cpu.yaml --working-d
 
 The training loop itself is ``raydeck.examples.digits.train_loop_per_worker``: it gets its
 tracker with ``raydeck.get_tracker()`` (no run id passed around), restores the latest checkpoint
-after a failure, and reports every epoch with ``raydeck.checkpointing.report_epoch`` so each
+after a failure, and reports every epoch with ``raydeck.train.checkpointing.report_epoch`` so each
 epoch appears once in MLflow. Copy it as the starting point of your own job. To resume a run
 whose driver died, run the job again with ``--run-id`` set to that run's id.
 

@@ -125,7 +125,7 @@ def pytest_configure(config: pytest.Config) -> None:
     The development and CI machines set ``PYTHONDONTWRITEBYTECODE=1``, so on a fresh clone every
     process the suite starts that imports them (each CLI call, Ray worker, tracking actor and
     job: hundreds) would compile them from source again, 0.1-0.3 CPU-s each
-    (``import raydeck.training``: 1.06 CPU-s from source, 0.87 from bytecode). Installed
+    (``import raydeck.train.trainer``: 1.06 CPU-s from source, 0.87 from bytecode). Installed
     packages have theirs from pip.
     """
     for tree in ("platform", "tests"):
@@ -212,11 +212,12 @@ def raydeck_env(session_dir: Path, mlflow_server: MlflowServer) -> Iterator[dict
 
 @pytest.fixture(scope="session")
 def ray_cluster(raydeck_env: dict[str, str]) -> Iterator[None]:
-    """A local Ray instance for the session, started like `raydeck.cluster.connect` does."""
+    """A local Ray instance for the session, started like `raydeck.cluster.connection.connect`
+    does."""
     import ray
 
-    from raydeck.cluster import job_runtime_env, starting_ray
-    from raydeck.config import load_settings
+    from raydeck.cluster.connection import job_runtime_env, starting_ray
+    from raydeck.config.settings import load_settings
 
     # Ray's dashboard writes the Prometheus service-discovery file and Ray's Grafana dashboards
     # (the observability tests read both); metrics export itself works without it.

@@ -1,7 +1,7 @@
-"""How raydeck's settings reach the workers of the Ray that ``raydeck.cluster.connect`` joins or
-starts (:func:`raydeck.cluster.starting_ray`): a cluster it joins gets them in the job's runtime
-env; a local Ray it starts inherits them from the environment, and its workers start without
-Ray's runtime-env setup process."""
+"""How raydeck's settings reach the workers of the Ray that ``raydeck.cluster.connection.connect``
+joins or starts (:func:`raydeck.cluster.connection.starting_ray`): a cluster it joins gets them in
+the job's runtime env; a local Ray it starts inherits them from the environment, and its workers
+start without Ray's runtime-env setup process."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from raydeck.cluster import TRAIN_HANDOFF_CALLBACK, starting_ray, starts_local_ray
+from raydeck.cluster.connection import TRAIN_HANDOFF_CALLBACK, starting_ray, starts_local_ray
 
 pytestmark = pytest.mark.timeout(120)
 JOB_ENV = {"env_vars": {"RAYDECK_PROBE": "settings"}, "working_dir": "."}

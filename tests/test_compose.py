@@ -23,7 +23,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from raydeck.serve_ingress import HAPROXY_RETRY_ON
+from raydeck.cluster.serve_ingress import HAPROXY_RETRY_ON
 from tests.fixtures.processes import ManagedProcess, free_port, http_ok, venv_executable, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -263,7 +263,7 @@ def test_every_ray_node_serves_through_haproxy_unless_docker_env_says_not(
         environment = _service(stack, name)["environment"]
         assert environment["RAY_SERVE_ENABLE_HA_PROXY"] == "1", name
         # A dead replica's requests go to another, POSTs included (the value Ray starts HAProxy
-        # with where raydeck starts Ray: raydeck.serve_ingress.HAPROXY_RETRY_ON).
+        # with where raydeck starts Ray: raydeck.cluster.serve_ingress.HAPROXY_RETRY_ON).
         assert environment["RAY_SERVE_HAPROXY_RETRY_ON"] == HAPROXY_RETRY_ON, name
     assert "RAY_SERVE_ENABLE_HA_PROXY" not in _service(stack, "jupyter")["environment"]
     answer = _compose({**deploy_env, "RAY_SERVE_ENABLE_HA_PROXY": "0"}, empty_env_file)
@@ -276,7 +276,7 @@ def test_every_ray_node_serves_through_haproxy_unless_docker_env_says_not(
 def test_raydeck_settings_are_registry_names_and_load_in_every_raydeck_service(
     stack: dict[str, Any], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from raydeck.config import load_settings, settings_reference
+    from raydeck.config.settings import load_settings, settings_reference
 
     known = {row[0] for row in settings_reference()}
     for path in (COMPOSE_FILE, ENV_EXAMPLE, GPU_FILE):

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from raydeck.config import load_settings, load_settings_with_origins
+from raydeck.config.secrets import Secret
+from raydeck.config.settings import load_settings, load_settings_with_origins
 from raydeck.errors import ConfigError
-from raydeck.secrets import Secret
 
 
 def test_defaults_make_the_embedded_mode_work(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -93,7 +93,7 @@ MLFLOW_URI = "http://mlflow.example:5000"
 
 
 def test_mlflow_tracking_uri_is_the_tracking_uri_when_raydeck_names_none() -> None:
-    from raydeck.cluster import job_runtime_env
+    from raydeck.cluster.connection import job_runtime_env
 
     settings, origins = load_settings_with_origins(env={"MLFLOW_TRACKING_URI": MLFLOW_URI})
     assert settings.tracking.uri == MLFLOW_URI

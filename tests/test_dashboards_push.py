@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from raydeck.config.secrets import Secret
 from raydeck.errors import MonitoringError
 from raydeck.observability.dashboards import load_dashboards
 from raydeck.observability.grafana import (
@@ -28,7 +29,6 @@ from raydeck.observability.grafana import (
     push,
     ray_dashboards,
 )
-from raydeck.secrets import Secret
 from tests.fixtures.processes import free_port
 from tests.fixtures.prometheus import DASHBOARDS_DIR
 from tests.test_cli import _one_error_line, _raydeck

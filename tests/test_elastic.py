@@ -27,9 +27,10 @@ from typing import Any
 import pytest
 
 from raydeck.errors import InfeasibleResourcesError, PresetError
-from raydeck.scaling import Preset, check_feasible, get_preset, load_presets, presets_markdown
-from raydeck.scheduling.policies import Gang
-from raydeck.tracking.cross_rank import CrossRank
+from raydeck.scheduling.policies.core import Gang
+from raydeck.tracking.proxy.cross_rank import CrossRank
+from raydeck.train.feasibility import check_feasible
+from raydeck.train.presets import Preset, get_preset, load_presets, presets_markdown
 from tests.fixtures.processes import ManagedProcess, wait_until
 from tests.fixtures.ray_head import (
     HEAD_STARTUP_TIMEOUT_S,

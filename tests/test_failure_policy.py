@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from raydeck.tracking.writer import FailurePolicy, Verdict
+from raydeck.tracking.proxy.writer import FailurePolicy, Verdict
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.processes import free_port
 
@@ -37,7 +37,7 @@ def test_mlflow_answers_are_classified_by_status(mlflow_server: MlflowServer,
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
 
-    from raydeck.tracking.writer import DEFAULT_REQUEST_TIMEOUT_S, mlflow_request_env
+    from raydeck.tracking.proxy.writer import DEFAULT_REQUEST_TIMEOUT_S, mlflow_request_env
 
     # as the shard calls MLflow: no retries
     for name, value in mlflow_request_env(DEFAULT_REQUEST_TIMEOUT_S).items():

@@ -78,7 +78,7 @@ def test_the_installed_cli_finds_its_defaults_from_an_empty_directory(
     # The wheel's raydeck, not the checkout's; the sweep space it defaults to.
     probe = _run(installed / "python", "-c",
                  "import json, raydeck\n"
-                 "from raydeck.package_data import default_path\n"
+                 "from raydeck.config.package_data import default_path\n"
                  "from raydeck.tune import SearchSpace\n"
                  "space = default_path('jobs/sweep_digits.yaml')\n"
                  "SearchSpace.from_yaml(space)\n"
@@ -117,8 +117,8 @@ def test_the_installed_cli_finds_its_defaults_from_an_empty_directory(
 def test_a_default_in_the_current_directory_wins_and_an_explicit_path_is_used_as_given(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from raydeck.config.package_data import checkout_path, default_path
     from raydeck.errors import ConfigError
-    from raydeck.package_data import checkout_path, default_path
 
     monkeypatch.chdir(tmp_path)
     # Elsewhere, this checkout's copy (an editable install has no packaged copy).

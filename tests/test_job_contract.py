@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from raydeck.jobs import (
+from raydeck.jobs.submission import (
     PRESET_ENV,
     RUN_ID_ENV,
     RUN_NAME_ENV,

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from raydeck.config.secrets import Secret
+from raydeck.config.stack_connection import StackConnection
 from raydeck.errors import ClusterUnavailableError, ConfigError
-from raydeck.job_server_address import (
+from raydeck.jobs.address import (
     ClusterAddress,
     choose_address,
     find_job_server,
@@ -28,8 +30,6 @@ from raydeck.job_server_address import (
     read_registered_dashboard,
     resolve_job_server,
 )
-from raydeck.secrets import Secret
-from raydeck.stack_connection import StackConnection
 
 # Names under .invalid never resolve (RFC 6761): nothing answers there, quickly.
 NOWHERE = "head.invalid"

@@ -76,7 +76,7 @@ def _run_of(client: Any, run_id: str, experiment_name: str = "raydeck") -> Any:
 
 def _client(head: RayHead) -> Any:
     """Ray's job client for this head (its dashboard URL, its token)."""
-    from raydeck.jobs import JobServer
+    from raydeck.jobs.submission import JobServer
 
     return JobServer.from_env(env=head.client_env).client()
 
@@ -108,9 +108,9 @@ def _assert_both_workers_logged(client: Any, run: Any, keys: tuple[str, ...]) ->
 def test_runtime_env_files_are_valid_ray_runtime_envs_without_secrets(path: Path) -> None:
     from ray.runtime_env import RuntimeEnv
 
-    from raydeck.config import load_settings, settings_reference
-    from raydeck.redaction import is_secret_name
-    from raydeck.runtime_env import PLACEHOLDER, check_runtime_env
+    from raydeck._internal.redaction import is_secret_name
+    from raydeck.config.settings import load_settings, settings_reference
+    from raydeck.jobs.runtime_env import PLACEHOLDER, check_runtime_env
 
     document = yaml.safe_load(path.read_text())
     RuntimeEnv(**document)
@@ -134,7 +134,7 @@ def test_raydeck_fills_runtime_envs_from_the_submitting_environment_but_never_se
     tmp_path: Path
 ) -> None:
     from raydeck.errors import ConfigError
-    from raydeck.runtime_env import load_runtime_env
+    from raydeck.jobs.runtime_env import load_runtime_env
 
     submitting = {"RAYDECK_TRACKING_URI": "http://mlflow:5000", "RAYDECK_DATA_DIR": "/data",
                   "RAYDECK_S3_ENDPOINT": "http://minio:9000", "RAYDECK_S3_ACCESS_KEY_ID": "ak",
@@ -187,7 +187,7 @@ def test_raydeck_fills_runtime_envs_from_the_submitting_environment_but_never_se
 
 @pytest.mark.timeout(60)
 def test_what_the_shell_sets_for_raydeck_reaches_the_job_but_never_a_secret() -> None:
-    from raydeck.runtime_env import shell_settings
+    from raydeck.jobs.runtime_env import shell_settings
 
     shell = {"RAYDECK_TRACKING_EXPERIMENT": "team-x", "RAYDECK_TRACKING_MODE": "all_ranks",
              "RAYDECK_S3_PREFIX": "team-x/", "RAYDECK_S3_ARTIFACTS_BUCKET": "art",
@@ -208,7 +208,7 @@ def test_what_the_shell_sets_for_raydeck_reaches_the_job_but_never_a_secret() ->
 @pytest.mark.timeout(60)
 def test_the_token_follows_rays_rules(tmp_path: Path) -> None:
     from raydeck.errors import ConfigError
-    from raydeck.jobs import auth_token
+    from raydeck.jobs.submission import auth_token
 
     token_file = tmp_path / "token"
     token_file.write_text("file-token\n")
@@ -233,7 +233,7 @@ def test_the_implicit_token_file_goes_only_to_a_head_on_this_machine(tmp_path: P
     import socket
 
     from raydeck.errors import ConfigError
-    from raydeck.jobs import JobServer, auth_token
+    from raydeck.jobs.submission import JobServer, auth_token
 
     home = tmp_path / "home"
     (home / ".ray").mkdir(parents=True)
@@ -484,7 +484,7 @@ def test_a_missing_or_wrong_token_is_one_clear_line(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_infeasible_preset_is_refused_before_the_job_is_submitted(ray_head: RayHead) -> None:
-    from raydeck.jobs import JobServer
+    from raydeck.jobs.submission import JobServer
 
     line = _one_error_line(_raydeck("submit", "jobs/digits_torch.py", "--runtime-env",
                                     "runtime_envs/cpu.yaml", "--preset", "gpu-1",

@@ -23,18 +23,18 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from raydeck import kuberay
 from raydeck.cli.main import app
-from raydeck.config import Settings, load_settings
+from raydeck.cluster.serve_ingress import HAPROXY_RETRY_ON
+from raydeck.config.secrets import Secret
+from raydeck.config.settings import Settings, load_settings
+from raydeck.config.stack_credentials import SECRET_NAMES, Credentials
 from raydeck.errors import ConfigError
-from raydeck.jobs import submitted_runtime_env
-from raydeck.secrets import Secret
-from raydeck.serve_ingress import HAPROXY_RETRY_ON
+from raydeck.jobs.submission import submitted_runtime_env
+from raydeck.k8s import kuberay
 from raydeck.serving import ServeOptions, serve_config
 from raydeck.stack.launchers import LAUNCHERS, StackContext
 from raydeck.stack.services import SECRET_SETTINGS_ENV, SERVICES, service
 from raydeck.stack.state import StackPaths, StackState
-from raydeck.stack_credentials import SECRET_NAMES, Credentials
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS = Path(__file__).resolve().parent / "schemas"

@@ -56,7 +56,7 @@ def test_lightning_mlflow_logger_in_a_ray_train_job_keeps_every_step_while_mlflo
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from raydeck.tracking.proxy import stop_proxy
+    from raydeck.tracking.proxy.actors import stop_proxy
 
     client = MlflowClient(killable_mlflow.uri)
     experiment = f"lightning-{uuid.uuid4().hex[:6]}"
@@ -113,7 +113,7 @@ def test_tune_mlflow_callback_and_setup_mlflow_in_an_asha_sweep(
     """A plain Tuner driver, nothing of raydeck imported; its environment names raydeck's Tune
     callback (as raydeck's own drivers and jobs do), so each trial's own run ends with the
     trial's outcome."""
-    from raydeck.cluster import RAY_TUNE_CALLBACKS_ENV, TUNE_OUTCOME_CALLBACK
+    from raydeck.cluster.connection import RAY_TUNE_CALLBACKS_ENV, TUNE_OUTCOME_CALLBACK
 
     experiment = f"tune-{uuid.uuid4().hex[:6]}"
     proc = driver_process("\n".join([

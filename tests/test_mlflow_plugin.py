@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from raydeck.config import load_settings
+from raydeck.config.settings import load_settings
+from raydeck.config.tracking_uri import unwrap_tracking_uri
 from raydeck.tracking.messages import AttachRequest, ProcessInfo, ProxyConfig
-from raydeck.tracking.outbox import Control
-from raydeck.tracking.router import RouterCore
-from raydeck.tracking.run_lookup import Lookup
-from raydeck.tracking_uri import unwrap_tracking_uri
+from raydeck.tracking.proxy.outbox import Control
+from raydeck.tracking.proxy.router import RouterCore
+from raydeck.tracking.proxy.run_lookup import Lookup
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.tracking import driver_process, metric_steps, read_line_with
 
@@ -224,7 +224,7 @@ def test_a_guest_writer_neither_holds_nor_reopens_nor_ends_its_run() -> None:
 
 @pytest.mark.timeout(10)
 def test_a_stopped_plain_trials_run_ends_with_the_outcome_tune_reported() -> None:
-    # Tune's driver callback (raydeck.tracking.tune_outcome) reports a trial's outcome before
+    # Tune's driver callback (raydeck.tracking.client.tune_outcome) reports a trial's outcome before
     # Tune stops its process. Its run ends with it once the process is gone (Tune may kill it
     # before its exit hands the run over) or leaves (MLflow's exit hook says FINISHED even when
     # the function raised). A sweep's child runs (with a parent) are the sweep's to end; a run

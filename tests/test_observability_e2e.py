@@ -140,10 +140,10 @@ class Observed:
 @pytest.fixture(scope="module")
 def observed(prometheus: PrometheusServer, ray_cluster: None, raydeck_env: dict[str, str],
              s3_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from raydeck.config import load_settings
-    from raydeck.scaling import get_preset
+    from raydeck.config.settings import load_settings
     from raydeck.tracking import get_tracker
-    from raydeck.training import fit
+    from raydeck.train.presets import get_preset
+    from raydeck.train.trainer import fit
 
     started_s = time.time()
     probe = MetricsProbe.remote(s3_server.endpoint, s3_server.access_key_id,

@@ -52,21 +52,43 @@ def test_the_no_op_tracker_overrides_every_call_that_would_reach_the_proxy() -> 
 
 @pytest.mark.timeout(120)
 def test_public_submodules_are_attributes_after_a_plain_import() -> None:
-    # README writes `raydeck.checkpointing.restore(...)` after `import raydeck`.
+    # README writes `raydeck.tune.sweep(...)` and the notebooks `raydeck.cluster.connect` after
+    # `import raydeck`.
     code = ("import sys, raydeck\n"
             "print(sorted(m for m in ('torch', 'ray.tune', 'pytorch_lightning') "
             "if m in sys.modules))\n"
-            "assert callable(raydeck.checkpointing.restore)\n"
+            "assert callable(raydeck.train.checkpointing.restore)\n"
             "assert callable(raydeck.tune.sweep)\n"
-            "assert callable(raydeck.redaction.redact_url)\n"
+            "assert callable(raydeck.cluster.connect)\n"
+            "assert raydeck.jobs.JobServer and raydeck.config.Settings\n"
             "assert raydeck.integrations.lightning.RaydeckLogger\n"
             "assert raydeck.observability.metrics.metrics_markdown\n"
             "assert raydeck.examples.digits.run_digits\n"
-            "assert 'checkpointing' in dir(raydeck)\n")
+            "assert {'train', 'tracking', 'serving', 'scheduling'} <= set(dir(raydeck))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines()[0] == "[]", "import raydeck alone must stay light"
+
+
+# Every package whose names users import (README, docs, notebooks, jobs/), with its __all__.
+PUBLIC_PACKAGES = ("raydeck", "raydeck.cluster", "raydeck.config", "raydeck.jobs",
+                   "raydeck.scheduling", "raydeck.serving", "raydeck.tracking", "raydeck.tune")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("package", PUBLIC_PACKAGES)
+def test_every_public_name_of_every_public_package_imports(package: str) -> None:
+    """``from <package> import <name>`` for each name of its ``__all__``, in a fresh process."""
+    code = (f"import importlib; package = importlib.import_module({package!r})\n"
+            "names = package.__all__\n"
+            "assert names, 'no __all__'\n"
+            f"exec('from {package} import ' + ', '.join(names))\n"
+            "print(len(names))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout.strip()) > 0
 
 
 def test_every_module_of_the_package_is_listed_as_public_or_private() -> None:
@@ -76,7 +98,8 @@ def test_every_module_of_the_package_is_listed_as_public_or_private() -> None:
     import raydeck
 
     internal = {"cli", "_internal", "_version"}  # the command, helpers, the version string
-    for package in (raydeck, raydeck.integrations, raydeck.observability, raydeck.examples):
+    for package in (raydeck, raydeck.integrations, raydeck.observability, raydeck.examples,
+                    raydeck.train):
         found = {m.name for m in pkgutil.iter_modules(package.__path__)} - internal
         for name in found:
             module = getattr(package, name)

@@ -30,7 +30,7 @@ import psutil
 import pytest
 import yaml
 
-from raydeck.scheduling.store import Store
+from raydeck.scheduling.queue.store import Store
 from tests.fixtures.processes import wait_until
 from tests.fixtures.prometheus import DASHBOARDS_DIR, PrometheusServer, for_ray_session
 from tests.fixtures.ray_head import RayHead, head_env
@@ -132,7 +132,7 @@ class Cluster:
         """The head's job server client (a ``JobSubmissionClient``), made once: making one
         checks the server and lists every job (here about 1 s and 0.1 CPU-s, against 0.02 s
         for a job's status), which a wait polling three jobs every 0.2 s would pay each time."""
-        from raydeck.jobs import JobServer
+        from raydeck.jobs.submission import JobServer
 
         return JobServer.from_env(env=self.head.client_env).client()
 
@@ -244,7 +244,7 @@ COMMAND_DRIVER_SCRIPT = """
 import atexit, sys
 import typer
 from raydeck.cli import main as cli
-from raydeck.cluster import connect_existing
+from raydeck.cluster.connection import connect_existing
 
 @cli.app.command("probe")
 def probe(address: str) -> None:
@@ -347,8 +347,8 @@ def _placed_as_the_queue_sees_it(cluster: Cluster, submission_id: str) -> bool:
         f"ray.init(address={cluster.head.gcs_address!r}, logging_level='ERROR')\n"
         "for name in ('RAY_ADDRESS', 'RAY_API_SERVER_ADDRESS'):\n"
         "    os.environ.pop(name, None)\n"
-        "from raydeck.jobs import JobServer\n"
-        "from raydeck.scheduling.ray_jobs import RayJobs\n"
+        "from raydeck.jobs.submission import JobServer\n"
+        "from raydeck.scheduling.queue.ray_jobs import RayJobs\n"
         f"print(RayJobs(JobServer.from_env({cluster.head.address!r})).placed({submission_id!r}))\n")
     return cluster.python(script).splitlines()[-1] == "True"
 
@@ -773,7 +773,7 @@ def _serve_details(cluster: Cluster) -> dict[str, Any]:
     """Serve's own view (``GET /api/serve/applications/`` on the head's dashboard)."""
     import requests
 
-    from raydeck.jobs import JobServer
+    from raydeck.jobs.submission import JobServer
 
     server = JobServer.from_env(env=cluster.head.client_env)
     answer = requests.get(f"{server.address}/api/serve/applications/",

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from raydeck.scheduling.identity import Identity
-from raydeck.scheduling.policies import Resources
-from raydeck.scheduling.queue import JobQueue, JobSpec
-from raydeck.scheduling.store import Store
+from raydeck.scheduling.policies.core import Resources
+from raydeck.scheduling.queue.identity import Identity
+from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec
+from raydeck.scheduling.queue.store import Store
 from tests.fixtures.fake_job_server import FakeJobServer
 
 # Every module a queue command imports before it calls the actor.
 COMMAND_MODULES = ("raydeck.cli.main", "raydeck.cli.queue", "raydeck.cli.jobs",
-                   "raydeck.scheduling.client")
+                   "raydeck.scheduling.queue.client")
 
 
 @pytest.mark.timeout(60)

@@ -15,13 +15,13 @@ from typer.testing import CliRunner
 
 from raydeck.cli.main import app
 from raydeck.errors import ConfigError
-from raydeck.scheduling import client
-from raydeck.scheduling.config_change import ConfigChange, parse_thresholds
-from raydeck.scheduling.identity import Identity
-from raydeck.scheduling.listing import Entry
-from raydeck.scheduling.policies import Resources
-from raydeck.scheduling.queue import JobQueue, JobSpec
-from raydeck.scheduling.store import Store
+from raydeck.scheduling.policies.core import Resources
+from raydeck.scheduling.queue import client
+from raydeck.scheduling.queue.config_change import ConfigChange, parse_thresholds
+from raydeck.scheduling.queue.identity import Identity
+from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec
+from raydeck.scheduling.queue.listing import Entry
+from raydeck.scheduling.queue.store import Store
 from tests.fixtures.fake_job_server import FakeJobServer
 
 pytestmark = pytest.mark.timeout(30)

@@ -8,7 +8,7 @@ queue`` shows it.
 
 The real :class:`JobQueue` on the fake job server (one node, 4 CPUs), its clock set by the test;
 the CLI with the queue actor's call answered by such a queue. Which jobs shrink or grow, and by
-how much, is :mod:`raydeck.scheduling.elastic`'s (tests/test_scheduling_elastic.py).
+how much, is :mod:`raydeck.scheduling.policies.elastic`'s (tests/test_scheduling_elastic.py).
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from raydeck import preemption
+from raydeck._internal import contract
 from raydeck.cli.main import app
 from raydeck.errors import ConfigError
-from raydeck.scheduling import client
-from raydeck.scheduling.config_change import ConfigChange
-from raydeck.scheduling.identity import Identity
-from raydeck.scheduling.listing import Entry
-from raydeck.scheduling.preemption_rules import MIN_RUN_BEFORE_PREEMPTION_S
-from raydeck.scheduling.queue import JobQueue, JobSpec
-from raydeck.scheduling.ray_jobs import queue_env
-from raydeck.scheduling.resources import Gang, Resources
-from raydeck.scheduling.store import Store
-from raydeck.training import within_queue
+from raydeck.scheduling.policies.preemption import MIN_RUN_BEFORE_PREEMPTION_S
+from raydeck.scheduling.policies.resources import Gang, Resources
+from raydeck.scheduling.queue import client
+from raydeck.scheduling.queue.config_change import ConfigChange
+from raydeck.scheduling.queue.identity import Identity
+from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec
+from raydeck.scheduling.queue.listing import Entry
+from raydeck.scheduling.queue.ray_jobs import queue_env
+from raydeck.scheduling.queue.store import Store
+from raydeck.train.trainer import within_queue
 from tests.fixtures.fake_job_server import FakeJobServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -95,17 +95,17 @@ def test_the_job_keeps_ray_train_within_the_size_the_queue_allows(
     assert queue.tick() == ["E", "holder"]  # submitted together: in id order
     store = Store(f"sqlite:///{tmp_path / 'q.db'}")
     env = queue_env(store.get("E"))  # what Ray's launcher sets in the job's runtime env
-    assert env == {preemption.QUEUE_JOB_ENV: "E", preemption.QUEUE_WORKERS_ENV: "2"}
-    assert queue_env(store.get("holder")) == {preemption.QUEUE_JOB_ENV: "holder"}
+    assert env == {contract.QUEUE_JOB_ENV: "E", contract.QUEUE_WORKERS_ENV: "2"}
+    assert queue_env(store.get("holder")) == {contract.QUEUE_JOB_ENV: "holder"}
     elastic = ScalingConfig(num_workers=(1, 4), resources_per_worker={"CPU": 1})
     for allowed, expected in (("2", (1, 2)), ("1", 1), ("9", (1, 4))):
-        monkeypatch.setenv(preemption.QUEUE_WORKERS_ENV, allowed)
+        monkeypatch.setenv(contract.QUEUE_WORKERS_ENV, allowed)
         assert within_queue(elastic).num_workers == expected
     assert within_queue(ScalingConfig(num_workers=3)).num_workers == 3  # a fixed gang
-    monkeypatch.setenv(preemption.QUEUE_WORKERS_ENV, "two")
+    monkeypatch.setenv(contract.QUEUE_WORKERS_ENV, "two")
     with pytest.raises(ConfigError, match=r"^RAYDECK_QUEUE_WORKERS='two': must be a whole "):
         within_queue(elastic)
-    monkeypatch.delenv(preemption.QUEUE_WORKERS_ENV)
+    monkeypatch.delenv(contract.QUEUE_WORKERS_ENV)
     assert within_queue(elastic).num_workers == (1, 4)  # not started by the queue
 
 

@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from raydeck.jobs import METADATA_RUN_ID
-from raydeck.scheduling.policies import Resources
-from raydeck.scheduling.queue import JobQueue, JobSpec
-from raydeck.scheduling.store import Store
-from raydeck.scheduling.witness import MlflowRuns
-from raydeck.tracking.writer import RUN_KEY_TAG, TransientWriteError
+from raydeck.jobs.submission import METADATA_RUN_ID
+from raydeck.scheduling.policies.core import Resources
+from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec
+from raydeck.scheduling.queue.store import Store
+from raydeck.scheduling.queue.witness import MlflowRuns
+from raydeck.tracking.proxy.writer import RUN_KEY_TAG, TransientWriteError
 from tests.fixtures.fake_job_server import FakeJobServer
 from tests.fixtures.mlflow_server import MlflowServer
 

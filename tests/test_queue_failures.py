@@ -21,12 +21,12 @@ import pytest
 import requests
 
 from raydeck.errors import ConfigError, JobSubmissionError
-from raydeck.scheduling.client import head_runtime_env
-from raydeck.scheduling.failures import Backoff, classify
-from raydeck.scheduling.identity import Identity
-from raydeck.scheduling.policies import Resources
-from raydeck.scheduling.queue import JobQueue, JobSpec, Launcher
-from raydeck.scheduling.store import JobRow, Store
+from raydeck.scheduling.policies.core import Resources
+from raydeck.scheduling.queue.client import head_runtime_env
+from raydeck.scheduling.queue.failures import Backoff, classify
+from raydeck.scheduling.queue.identity import Identity
+from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec, Launcher
+from raydeck.scheduling.queue.store import JobRow, Store
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,7 +1,7 @@
 """Issue 28: ``gittins`` in the real queue ranks jobs by the durations of finished runs in
 MLflow (a real MLflow server): the job key's own runs when it has them, the cluster's
 otherwise, read outside the queue's lock (at a submission, and at a tick for jobs never read)
-and kept (:class:`~raydeck.scheduling.history.CachedHistory`). The job server is the fake."""
+and kept (:class:`~raydeck.scheduling.queue.history.CachedHistory`). The job server is the fake."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ from typing import Any
 
 import pytest
 
-from raydeck.jobs import JOB_DIGEST_TAG
-from raydeck.preemption import PREEMPTIONS_TAG
-from raydeck.scheduling.history import CachedHistory, MlflowHistory
-from raydeck.scheduling.identity import Identity
-from raydeck.scheduling.policies import Resources
-from raydeck.scheduling.queue import JobQueue, JobSpec
-from raydeck.scheduling.store import Store
+from raydeck._internal.contract import JOB_DIGEST_TAG, PREEMPTIONS_TAG
+from raydeck.scheduling.policies.core import Resources
+from raydeck.scheduling.queue.history import CachedHistory, MlflowHistory
+from raydeck.scheduling.queue.identity import Identity
+from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec
+from raydeck.scheduling.queue.store import Store
 from tests.fixtures.fake_job_server import FakeJobServer
 from tests.fixtures.mlflow_server import MlflowServer
 

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 
 from raydeck.errors import ConfigError
-from raydeck.scheduling.identity import Identity
-from raydeck.scheduling.policies import Resources
-from raydeck.scheduling.queue import JobQueue, JobSpec
-from raydeck.scheduling.store import Store
+from raydeck.scheduling.policies.core import Resources
+from raydeck.scheduling.queue.identity import Identity
+from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec
+from raydeck.scheduling.queue.store import Store
 from tests.fixtures.fake_job_server import FakeJobServer
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from raydeck.errors import ConfigError
-from raydeck.scheduling.configuration import REPLAY_S
-from raydeck.scheduling.identity import Identity
-from raydeck.scheduling.policies import FairShare, QueuedJob, Resources, RunningJob
-from raydeck.scheduling.queue import RETENTION_S, JobQueue, JobSpec
-from raydeck.scheduling.store import Store
+from raydeck.scheduling.policies.core import FairShare, QueuedJob, Resources, RunningJob
+from raydeck.scheduling.queue.configuration import REPLAY_S
+from raydeck.scheduling.queue.identity import Identity
+from raydeck.scheduling.queue.job_queue import RETENTION_S, JobQueue, JobSpec
+from raydeck.scheduling.queue.store import Store
 from tests.fixtures.fake_job_server import FakeJobServer
 
 pytestmark = pytest.mark.timeout(60)

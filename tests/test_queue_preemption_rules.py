@@ -17,16 +17,18 @@ from typing import Any
 
 import pytest
 
-from raydeck import preemption
+from raydeck._internal import contract
 from raydeck.errors import JobPreemptedError
-from raydeck.scheduling.identity import Identity
-from raydeck.scheduling.policies import POLICIES, Resources, make_policy
-from raydeck.scheduling.preemption_rules import MIN_RUN_BEFORE_PREEMPTION_S
-from raydeck.scheduling.queue import JobQueue, JobSpec
-from raydeck.scheduling.simulator import simulate
-from raydeck.scheduling.store import Store
-from raydeck.scheduling.trace import TraceJob
-from raydeck.training import end_if_preempted
+from raydeck.scheduling.policies.core import Resources
+from raydeck.scheduling.policies.preemption import MIN_RUN_BEFORE_PREEMPTION_S
+from raydeck.scheduling.policies.registry import POLICIES, make_policy
+from raydeck.scheduling.queue.identity import Identity
+from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec
+from raydeck.scheduling.queue.store import Store
+from raydeck.scheduling.simulator.replay import simulate
+from raydeck.scheduling.simulator.trace import TraceJob
+from raydeck.tracking.client import preemption
+from raydeck.train.trainer import end_if_preempted
 from tests.fixtures.fake_job_server import FakeJobServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -225,7 +227,7 @@ def cluster(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         return True, state["answers"][method]
 
     context = type("Context", (), {"get_job_id": staticmethod(lambda: "02000000")})()
-    monkeypatch.setenv(preemption.QUEUE_JOB_ENV, "B")
+    monkeypatch.setenv(contract.QUEUE_JOB_ENV, "B")
     monkeypatch.setattr(preemption, "_handle", None)
     monkeypatch.setattr(preemption, "_stop_requested", False)
     monkeypatch.setattr(ray, "get_actor", lambda *_, **__: _Actor())
@@ -283,4 +285,4 @@ def test_a_preempted_digits_job_exits_with_the_preempted_status(
     monkeypatch.setattr(digits, "run_digits", preempted)
     with pytest.raises(SystemExit) as exited:
         digits.run_job(lambda _: None, description="d", run_name="r", argv=[])
-    assert exited.value.code == preemption.PREEMPTED_EXIT_CODE == 75
+    assert exited.value.code == contract.PREEMPTED_EXIT_CODE == 75

@@ -17,13 +17,13 @@ import pytest
 import requests
 
 from raydeck.errors import ConfigError
-from raydeck.jobs import JobServer
-from raydeck.scheduling.identity import Identity
-from raydeck.scheduling.launcher import Launcher, TimedLauncher
-from raydeck.scheduling.policies import Resources
-from raydeck.scheduling.queue import JobQueue, JobSpec
-from raydeck.scheduling.ray_jobs import REQUEST_TIMEOUT_S, RayJobs
-from raydeck.scheduling.store import JobRow, Store
+from raydeck.jobs.submission import JobServer
+from raydeck.scheduling.policies.core import Resources
+from raydeck.scheduling.queue.identity import Identity
+from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec
+from raydeck.scheduling.queue.launcher import Launcher, TimedLauncher
+from raydeck.scheduling.queue.ray_jobs import REQUEST_TIMEOUT_S, RayJobs
+from raydeck.scheduling.queue.store import JobRow, Store
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,8 +9,8 @@ The real :class:`JobQueue` on the fake job server (one node, 4 CPUs) with Serve 
 (:class:`FakeServe`: replicas hold CPUs of that node; a lowered ceiling takes replicas away when
 the test lets Serve's controller act, :meth:`FakeServe.settle`); the config the queue deploys to
 bound a deployment, from Serve's own ``GET /api/serve/applications/`` answer
-(:func:`~raydeck.scheduling.serve_apps.bounded_config`), and the config ``raydeck serve`` deploys
-(:func:`~raydeck.serve_configs.with_application`). tests/test_queue.py's
+(:func:`~raydeck.scheduling.queue.serve_apps.bounded_config`), and the config ``raydeck serve``
+deploys (:func:`~raydeck.serving.deploy_config.with_application`). tests/test_queue.py's
 ``test_a_served_model_gives_back_replicas_for_a_waiting_job_and_gets_them_back`` does it on
 Ray, with ``raydeck serve --autoscale``.
 """
@@ -23,19 +23,19 @@ from typing import Any
 
 import pytest
 
-from raydeck.scheduling.jobspec import JobSpec
-from raydeck.scheduling.listing import Entry
-from raydeck.scheduling.queue import JobQueue
-from raydeck.scheduling.resources import Gang, Resources
-from raydeck.scheduling.serve_apps import (
+from raydeck.scheduling.policies.resources import Gang, Resources
+from raydeck.scheduling.queue.job_queue import JobQueue
+from raydeck.scheduling.queue.jobspec import JobSpec
+from raydeck.scheduling.queue.listing import Entry
+from raydeck.scheduling.queue.serve_apps import (
     ServeApp,
     ServeApps,
     applications,
     bounded,
     bounded_config,
 )
-from raydeck.scheduling.store import Store
-from raydeck.serve_configs import deployed_config, with_application
+from raydeck.scheduling.queue.store import Store
+from raydeck.serving.deploy_config import deployed_config, with_application
 from tests.fixtures.fake_job_server import NODE_CPUS, FakeJobServer
 
 pytestmark = pytest.mark.timeout(60)

@@ -29,9 +29,9 @@ def test_readme_opens_with_exactly_two_commands_and_ci_runs_the_test_command() -
 
 @pytest.mark.parametrize("marker", ["settings-table", "metrics-table", "presets-table"])
 def test_generated_tables_match_their_registries(marker: str) -> None:
-    from raydeck.config import settings_markdown
+    from raydeck.config.settings import settings_markdown
     from raydeck.observability.metrics import metrics_markdown
-    from raydeck.scaling import presets_markdown
+    from raydeck.train.presets import presets_markdown
 
     expected = {"settings-table": settings_markdown, "metrics-table": metrics_markdown,
                 "presets-table": presets_markdown}[marker]()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from raydeck.redaction import (
+from raydeck._internal.redaction import (
     MASK,
     RedactingFilter,
     is_secret_name,
@@ -175,7 +175,7 @@ def test_log_records_are_redacted_by_the_filter(caplog: pytest.LogCaptureFixture
 
 # --- the output paths outside the tracking proxy ---------------------------------------------
 def test_raydeck_errors_never_carry_a_secret(monkeypatch: pytest.MonkeyPatch) -> None:
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.errors import ConfigError, StorageError
 
     monkeypatch.setenv("GRAFANA_TOKEN", "glsa_the-grafana-token")
@@ -190,8 +190,8 @@ def test_raydeck_errors_never_carry_a_secret(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_runtime_envs_get_the_tracking_uri_without_credentials() -> None:
-    from raydeck.cluster import job_runtime_env
-    from raydeck.config import load_settings
+    from raydeck.cluster.connection import job_runtime_env
+    from raydeck.config.settings import load_settings
 
     settings = load_settings(env={
         "RAYDECK_TRACKING_URI": f"http://bob:{PASSWORD}@127.0.0.1:5000",
@@ -208,7 +208,7 @@ def test_runtime_envs_get_the_tracking_uri_without_credentials() -> None:
 
 def test_runtime_env_files_keep_credentials_for_the_cluster_to_fill(tmp_path: Path) -> None:
     from raydeck.errors import ConfigError
-    from raydeck.runtime_env import load_runtime_env
+    from raydeck.jobs.runtime_env import load_runtime_env
 
     spec = tmp_path / "env.yaml"
     spec.write_text("working_dir: .\nenv_vars:\n  RAYDECK_TRACKING_URI: ${RAYDECK_TRACKING_URI}\n"
@@ -227,7 +227,7 @@ def test_runtime_env_files_keep_credentials_for_the_cluster_to_fill(tmp_path: Pa
 
 
 def test_the_reproducibility_record_is_redacted(monkeypatch: pytest.MonkeyPatch) -> None:
-    from raydeck.tracking.repro import reproducibility_tags
+    from raydeck.tracking.client.repro import reproducibility_tags
 
     monkeypatch.setattr(sys, "argv", ["train.py", "--password", PASSWORD,
                                       f"--tracking-uri=http://bob:{PASSWORD}@mlflow:5000"])

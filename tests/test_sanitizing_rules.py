@@ -1,5 +1,5 @@
 """The rules raydeck's integrations use instead of raising: every key comes out MLflow-legal,
-every change says why, nothing is dropped without a record (raydeck.tracking.validation)."""
+every change says why, nothing is dropped without a record (raydeck.tracking.client.validation)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import string
 import pytest
 import torch
 
-from raydeck.tracking.validation import (
+from raydeck.tracking.client.validation import (
     Sanitized,
     key_problem,
     legal_key,

@@ -14,14 +14,8 @@ from typing import Any
 import pytest
 
 from raydeck.errors import InfeasibleResourcesError, PresetError
-from raydeck.scaling import (
-    BUILTIN_PRESETS,
-    Preset,
-    check_feasible,
-    get_preset,
-    load_presets,
-    resolve,
-)
+from raydeck.train.feasibility import check_feasible
+from raydeck.train.presets import BUILTIN_PRESETS, Preset, get_preset, load_presets, resolve
 
 
 @pytest.mark.timeout(60)
@@ -68,7 +62,7 @@ def test_fractional_presets_divide_a_gpu_exactly() -> None:
 def test_workers_sharing_a_gpu_train_with_gloo_because_nccl_refuses_them() -> None:
     # On an H200, four gpu-quarter ranks under NCCL failed with "Duplicate GPU detected"; the
     # same workers trained with gloo (docs/gpu.md).
-    from raydeck.training import torch_config
+    from raydeck.train.trainer import torch_config
 
     backends = {name: torch_config(get_preset(name).scaling_config()).backend
                 for name in ("gpu-half", "gpu-quarter", "gpu-pack", "gpu-1", "gpu-2", "cpu-2")}

@@ -154,7 +154,7 @@ def test_the_queue_admits_exactly_the_gangs_ray_can_place_now(
 @pytest.mark.slow
 @pytest.mark.timeout(DRIVER_TIMEOUT_S + 60)
 def test_each_worker_samples_the_gpu_ray_gave_it(fake_gpu_results: dict[str, Any]) -> None:
-    from raydeck.tracking.system_metrics import cuda_visible_to_nvml
+    from raydeck.tracking.client.system_metrics import cuda_visible_to_nvml
 
     node_uuids = [f"GPU-{index:08x}-0000-0000-0000-000000000000" for index in range(2)]
     for preset in PRESETS:

@@ -26,8 +26,8 @@ from raydeck.scheduling import (
     read_trace,
     simulate,
 )
-from raydeck.scheduling.attained_service import gittins_index, service_rate
-from raydeck.scheduling.preemption_rules import MIN_RUN_BEFORE_PREEMPTION_S
+from raydeck.scheduling.policies.attained_service import gittins_index, service_rate
+from raydeck.scheduling.policies.preemption import MIN_RUN_BEFORE_PREEMPTION_S
 
 GPUS4 = Resources(cpus=64, gpus=4)
 

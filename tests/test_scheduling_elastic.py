@@ -23,7 +23,7 @@ from raydeck.scheduling import (
     simulate,
     write_trace,
 )
-from raydeck.scheduling.elastic import Elasticity
+from raydeck.scheduling.policies.elastic import Elasticity
 
 GPUS4 = Resources(cpus=64, gpus=4)
 

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from raydeck.errors import ConfigError
-from raydeck.scaling import place
-from raydeck.scheduling.identity import Identity
-from raydeck.scheduling.policies import Capacity, Fifo, Gang, QueuedJob, Resources, make_policy
-from raydeck.scheduling.queue import JobQueue, JobSpec, Launcher
-from raydeck.scheduling.reconcile import CLAIM_S
-from raydeck.scheduling.store import JobRow, Store
+from raydeck.scheduling.policies.core import Capacity, Fifo, Gang, QueuedJob, Resources
+from raydeck.scheduling.policies.registry import make_policy
+from raydeck.scheduling.queue.identity import Identity
+from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec, Launcher
+from raydeck.scheduling.queue.reconcile import CLAIM_S
+from raydeck.scheduling.queue.store import JobRow, Store
+from raydeck.train.feasibility import place
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -26,7 +26,7 @@ from raydeck.scheduling import (
     simulate,
     write_trace,
 )
-from raydeck.scheduling.preemption_rules import MIN_RUN_BEFORE_PREEMPTION_S
+from raydeck.scheduling.policies.preemption import MIN_RUN_BEFORE_PREEMPTION_S
 
 GPUS4 = Resources(cpus=64, gpus=4)
 

@@ -194,7 +194,7 @@ def _bucket_sources(s3: S3Server, buckets: list[str]) -> dict[str, bytes]:
 
 
 def _job_sources(head: RayHead) -> dict[str, bytes]:
-    from raydeck.jobs import JobServer
+    from raydeck.jobs.submission import JobServer
 
     client = JobServer.from_env(env=head.client_env).client()
     return {f"job {job.submission_id}": json.dumps(

@@ -1,10 +1,10 @@
 """Serve's ingress on the Ray clusters raydeck starts: HAProxy by default, the user's value wins.
 
-The rules of :mod:`raydeck.serve_ingress` and the environment :func:`raydeck.cluster.connect`
-gives a local Ray it starts; no process starts here. That a Serve application answers through
-HAProxy on a Ray started this way is ``tests/test_serving.py``'s
+The rules of :mod:`raydeck.cluster.serve_ingress` and the environment
+:func:`raydeck.cluster.connection.connect` gives a local Ray it starts; no process starts here. That
+a Serve application answers through HAProxy on a Ray started this way is ``tests/test_serving.py``'s
 ``test_haproxy_is_the_ingress_of_a_local_ray_raydeck_starts`` (the session's Ray is started
-with :func:`raydeck.cluster.local_serve_ingress`).
+with :func:`raydeck.cluster.connection.local_serve_ingress`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from raydeck.cluster import local_serve_ingress
-from raydeck.serve_ingress import (
+from raydeck.cluster.connection import local_serve_ingress
+from raydeck.cluster.serve_ingress import (
     HAPROXY_BINARY_ENV,
     HAPROXY_ENV,
     HAPROXY_PORT_ENVS,

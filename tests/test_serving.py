@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from raydeck.serve_ingress import HAPROXY_RETRY_ON
+from raydeck.cluster.serve_ingress import HAPROXY_RETRY_ON
 from tests.fixtures.processes import free_port, wait_until
 from tests.fixtures.prometheus import DASHBOARDS_DIR, PrometheusServer
 from tests.fixtures.summer_model import SUMMER_CODE, register_summer
@@ -199,8 +199,8 @@ def test_the_serving_pages_curl_example_is_answered_with_its_digit(served: Serve
 @pytest.mark.timeout(300)
 def test_haproxy_is_the_ingress_of_a_local_ray_raydeck_starts(served: Served) -> None:
     """The session's Ray is started as raydeck's own ``ray.init()`` starts a local one
-    (``raydeck.cluster.local_serve_ingress``), so Serve's ingress is HAProxy: it listens on the
-    application's port and sends each request straight to a replica's own HTTP server, on the
+    (``raydeck.cluster.connection.local_serve_ingress``), so Serve's ingress is HAProxy: it listens
+    on the application's port and sends each request straight to a replica's own HTTP server, on the
     application's host only. Every other test of the module runs through it."""
     import psutil
 
@@ -209,7 +209,7 @@ def test_haproxy_is_the_ingress_of_a_local_ray_raydeck_starts(served: Served) ->
     ingress = {c.pid: psutil.Process(c.pid) for c in listeners if c.laddr.port == port and c.pid}
     assert {process.name() for process in ingress.values()} == {"haproxy"}, ingress
     # The config HAProxy reads resends a dead replica's requests, POSTs included: it reads a
-    # request's body before sending it (raydeck.serve_ingress.HAPROXY_RETRY_ON).
+    # request's body before sending it (raydeck.cluster.serve_ingress.HAPROXY_RETRY_ON).
     command = next(iter(ingress.values())).cmdline()
     config = Path(command[command.index("-f") + 1]).read_text()
     defaults = config.split("\ndefaults\n", 1)[1].split("\nfrontend ", 1)[0].splitlines()
@@ -393,7 +393,7 @@ def test_a_replica_sigkilled_under_load_is_replaced_by_one_that_follows_the_alia
           f"({failed[:5]}); the replacement served {serving_s:.1f} s after the kill")
     # The session's Ray serves through HAProxy (tests/conftest.py starts it as raydeck does),
     # which reads each request's body before sending it and resends what the killed replica
-    # held to the other one (raydeck.serve_ingress.HAPROXY_RETRY_ON). Without the body read
+    # held to the other one (raydeck.cluster.serve_ingress.HAPROXY_RETRY_ON). Without the body read
     # first HAProxy resent no POST: 6 of 12 kills failed 1-2 requests each (2026-12-05).
     assert not failed, failed
 
@@ -547,7 +547,7 @@ def test_stop_deletes_the_application(served: Served, raydeck_env: dict[str, str
     from ray.experimental.internal_kv import _internal_kv_exists
     from ray.serve.context import _get_global_client
 
-    from raydeck.preemption import KV_NAMESPACE
+    from raydeck._internal.contract import KV_NAMESPACE
 
     client = _get_global_client()
     assert client is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from raydeck.config import load_settings
+from raydeck.config.settings import load_settings
 from raydeck.errors import ConfigError
 from raydeck.serving import ServeOptions
 

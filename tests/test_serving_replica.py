@@ -156,7 +156,7 @@ def replica(ray_cluster: None, raydeck_env: dict[str, str], mlflow_client: Any,
             tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """A replica following ``models:/<name>@champion``, version 1 a good model; the registry URI
     it is given carries a password (as a credentialed deployment's does)."""
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.models import promote
     from raydeck.serving.options import ServeOptions
     from raydeck.serving.server import ModelServer
@@ -292,7 +292,7 @@ def test_mlflows_clients_get_what_mlflow_models_serve_answers_byte_for_byte(
 @pytest.mark.timeout(300)
 def test_a_model_with_a_params_schema_gets_its_params_as_mlflow_models_serve_passes_them(
         replica: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.serving.options import ServeOptions
     from raydeck.serving.server import ModelServer
 
@@ -369,7 +369,7 @@ def test_a_replica_given_no_gpu_sees_none_on_a_node_that_has_one(ray_cluster: No
     as a GPU node's raylet passes it on."""
     import ray
 
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.serving.options import ServeOptions
 
     actor_options = ServeOptions("models:/digits/1").deployment_options(

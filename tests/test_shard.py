@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from raydeck.config import load_settings
-from raydeck.tracking.dead_letters import DEAD_LETTERS_TAG
+from raydeck.config.settings import load_settings
 from raydeck.tracking.messages import Batch, FileRef, OpenRun, ShardConfig
-from raydeck.tracking.shard import ShardCore
+from raydeck.tracking.proxy.dead_letters import DEAD_LETTERS_TAG
+from raydeck.tracking.proxy.shard import ShardCore
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.tcp_forwarder import TcpForwarder
 
@@ -218,7 +218,7 @@ def test_dead_letters_survive_a_restart_and_show_in_stats(tmp_path: Path,
 
 
 def test_retries_back_off_doubling_up_to_the_configured_cap() -> None:
-    from raydeck.tracking.run_queue import backoff_s
+    from raydeck.tracking.proxy.run_queue import backoff_s
 
     # RAYDECK_TRACKING_RETRY_MAX_S caps the wait; the default (5 s) after five failures in a row.
     assert [backoff_s(n, 1.0) for n in range(1, 6)] == [0.25, 0.5, 1.0, 1.0, 1.0]

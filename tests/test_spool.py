@@ -17,7 +17,7 @@ import pytest
 
 from raydeck.errors import TrackingSpoolFullError
 from raydeck.tracking.messages import DeadLetter, FileRef
-from raydeck.tracking.spool import KIND_FILE, KIND_METRICS, NewEntity, Spool
+from raydeck.tracking.proxy.spool import KIND_FILE, KIND_METRICS, NewEntity, Spool
 
 
 def _points(run: str, n: int, start: int = 0) -> NewEntity:
@@ -29,7 +29,7 @@ def test_what_was_accepted_is_there_after_a_killed_process(tmp_path: Path) -> No
     # A separate process accepts two entities and is SIGKILLed without closing anything.
     code = textwrap.dedent(f"""
         import os, signal
-        from raydeck.tracking.spool import KIND_METRICS, NewEntity, Spool
+        from raydeck.tracking.proxy.spool import KIND_METRICS, NewEntity, Spool
         spool = Spool(__import__("pathlib").Path({str(tmp_path)!r}))
         spool.accept("a", 0, [NewEntity("run", KIND_METRICS, 1, [("x", 1.0, 1, 0)])])
         spool.accept("a", 1, [NewEntity("run", KIND_METRICS, 1, [("x", 2.0, 2, 1)])])

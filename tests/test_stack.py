@@ -31,7 +31,7 @@ from typing import Any
 import psutil
 import pytest
 
-from raydeck.serve_ingress import HAPROXY_ENV, HAPROXY_PORT_ENVS
+from raydeck.cluster.serve_ingress import HAPROXY_ENV, HAPROXY_PORT_ENVS
 from raydeck.stack import postgres, processes
 from raydeck.stack.launchers import RayHeadLauncher
 from raydeck.stack.services import SERVICES
@@ -109,7 +109,7 @@ def test_up_from_nothing_starts_every_service_and_shows_no_secret(
         assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
     assert str(under_test.stack_file) in up.stdout
 
-    # Serve's ingress is HAProxy (raydeck.serve_ingress), on ports of this stack's own.
+    # Serve's ingress is HAProxy (raydeck.cluster.serve_ingress), on ports of this stack's own.
     head = psutil.Process(under_test.state().services["ray-head"].pid).environ()
     assert head[HAPROXY_ENV] == "1"
     internal = under_test.state().internal_ports["ray-head"]
@@ -148,7 +148,7 @@ def _database(under_test: StackUnderTest) -> Any:
 
 
 def _objects(under_test: StackUnderTest, bucket: str, prefix: str) -> list[str]:
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.storage import minio_client
 
     settings = load_settings(env={"RAYDECK_STACK_FILE": str(under_test.stack_file)})

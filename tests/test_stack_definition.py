@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 import yaml
 
-from raydeck import stack_connection as connection
-from raydeck.config import load_settings
-from raydeck.secrets import Secret
+from raydeck.config import stack_connection as connection
+from raydeck.config.secrets import Secret
+from raydeck.config.settings import load_settings
+from raydeck.config.stack_credentials import SECRET_NAMES, Credentials, load_or_create
 from raydeck.stack.launchers import LAUNCHERS, StackContext
 from raydeck.stack.processes import free_port
 from raydeck.stack.services import (
@@ -29,7 +30,6 @@ from raydeck.stack.services import (
     SERVICES,
 )
 from raydeck.stack.state import StackPaths, StackState
-from raydeck.stack_credentials import SECRET_NAMES, Credentials, load_or_create
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = yaml.safe_load((ROOT / "docker" / "docker-compose.yml").read_text())["services"]
@@ -133,7 +133,7 @@ def test_the_head_serves_through_haproxy_unless_the_shell_says_not(
     """Compose's ``${RAY_SERVE_ENABLE_HA_PROXY:-1}``: HAProxy (this venv has its binary), the
     shell's value kept though `up` drops the shell's other RAY_* variables, and HAProxy's ports
     the stack's own, chosen once with its other ports."""
-    from raydeck.serve_ingress import HAPROXY_ENV, HAPROXY_PORT_ENVS
+    from raydeck.cluster.serve_ingress import HAPROXY_ENV, HAPROXY_PORT_ENVS
 
     (head,) = [launcher for launcher in LAUNCHERS if launcher.spec.name == "ray-head"]
     ctx = _context(tmp_path)
@@ -220,7 +220,7 @@ def test_connection_file_is_the_lowest_precedence(
 
 
 def test_stack_token_goes_only_to_the_stack(stack_file: dict[str, Any]) -> None:
-    from raydeck.jobs import JobServer
+    from raydeck.jobs.submission import JobServer
 
     env = {"RAYDECK_STACK_FILE": stack_file["RAYDECK_STACK_FILE"], "HOME": "/nonexistent"}
     server = JobServer.from_env(env=env)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from raydeck.config import Settings, load_settings
+from raydeck.config.settings import Settings, load_settings
 from tests.fixtures.processes import free_port
 from tests.fixtures.s3_server import S3Server
 
@@ -156,7 +156,7 @@ def test_storage_problems_are_one_clear_line_and_exit_2(
 def test_training_refuses_to_start_when_a_bucket_is_missing(s3_server: S3Server) -> None:
     from raydeck.errors import StorageError
     from raydeck.tracking import NoOpTracker
-    from raydeck.training import fit
+    from raydeck.train.trainer import fit
 
     names = _names("fit")
     settings = _settings(s3_server.settings_env(**names))

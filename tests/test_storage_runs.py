@@ -2,8 +2,8 @@
 
 Each run is ``raydeck demo`` in its own process, configured only through ``RAYDECK_*``
 variables as a user would, connected to the session's Ray cluster as a second job. Its own job
-runtime env (built by ``raydeck.cluster.connect``) carries the storage settings to its Ray
-workers, and its own Ray namespace gives it a tracking proxy whose shards hold the S3
+runtime env (built by ``raydeck.cluster.connection.connect``) carries the storage settings to its
+Ray workers, and its own Ray namespace gives it a tracking proxy whose shards hold the S3
 credentials, so the rest of the suite keeps running without object storage.
 
 The MLflow server of this module has the S3 credentials in its environment, as a production
@@ -25,7 +25,7 @@ import psutil
 import pytest
 import requests
 
-from raydeck.config import Settings, load_settings
+from raydeck.config.settings import Settings, load_settings
 from tests.conftest import TEST_ENV
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.processes import ManagedProcess, wait_until
@@ -37,7 +37,7 @@ CHECKPOINT_WAIT_S = 300.0
 OUTAGE_S = 6.0
 ARTIFACTS_BUCKET = "runs-artifacts"
 CHECKPOINTS_BUCKET = "runs-checkpoints"
-KEPT_CHECKPOINTS = 2  # raydeck.training.DEFAULT_CHECKPOINTS_TO_KEEP
+KEPT_CHECKPOINTS = 2  # raydeck.train.trainer.DEFAULT_CHECKPOINTS_TO_KEEP
 
 
 @dataclass
@@ -239,9 +239,9 @@ def test_tracked_run_keeps_artifacts_and_checkpoints_in_s3(
     import mlflow.pytorch
     import torch
 
-    from raydeck.checkpointing import load_model_state
     from raydeck.examples.digits import DigitsMLP
     from raydeck.storage import checkpoint_at, secret_env
+    from raydeck.train.checkpointing import load_model_state
 
     run = run_with_worker_death
     assert run.returncode == 0, run.log[-4000:]

@@ -265,7 +265,7 @@ def test_bad_sweep_input_fails_before_any_trial_starts(
     ray_cluster: None, mlflow_client: Any, space: dict[str, Any], overrides: dict[str, Any],
     message: str
 ) -> None:
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.examples.digits import digits_sweep_job
     from raydeck.tune import SweepConfig, sweep, sweep_storage_path
 
@@ -372,7 +372,7 @@ def test_distributed_trials_on_two_nodes_keep_their_state_in_s3_and_resume_after
     two_node_cluster: RayHead, s3_server: S3Server, mlflow_server: MlflowServer,
     mlflow_client: Any, tmp_path: Path
 ) -> None:
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.storage import init_buckets
 
     key = uuid.uuid4().hex[:6]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from raydeck.tracking.system_metrics import cuda_visible_to_nvml
+from raydeck.tracking.client.system_metrics import cuda_visible_to_nvml
 
 REPO = Path(__file__).resolve().parents[1]
 # UUIDs as nvmlDeviceGetUUID returns them for NVML indices 0..3.
@@ -56,7 +56,7 @@ def test_a_node_without_gpus_reports_none() -> None:
 _WITHOUT_NVML = """
 import json, logging, sys
 logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(levelname)s %(message)s")
-from raydeck.tracking.system_metrics import SystemSampler
+from raydeck.tracking.client.system_metrics import SystemSampler
 worker = SystemSampler("10.0.0.7", node_view=False, process_gpus=("rank_0", "0"))
 node = SystemSampler("10.0.0.7")
 node.sample()

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from raydeck.config import Settings
+from raydeck.config.settings import Settings
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.processes import wait_until
 from tests.fixtures.tracking import (
@@ -39,7 +39,7 @@ from tests.fixtures.tracking import (
 def proxy(tmp_path: Path, ray_cluster: None, killable_mlflow: MlflowServer
           ) -> Iterator[tuple[MlflowServer, Settings]]:
     """A tracking proxy of its own (one shard), writing to an MLflow server the test may kill."""
-    from raydeck.tracking.proxy import stop_proxy
+    from raydeck.tracking.proxy.actors import stop_proxy
 
     if not killable_mlflow.alive():
         killable_mlflow.start()  # an earlier test failed while the server was down
@@ -71,7 +71,7 @@ def _assert_exact(client: Any, run_id: str, key: str, steps: range | list[int]) 
 def _shards(settings: Settings) -> list[dict[str, Any]]:
     import ray
 
-    from raydeck.tracking.proxy import find_router
+    from raydeck.tracking.proxy.actors import find_router
 
     router = find_router(settings.ray_namespace)
     assert router is not None
@@ -81,7 +81,7 @@ def _shards(settings: Settings) -> list[dict[str, Any]]:
 def _router_runs(settings: Settings) -> dict[str, dict[str, Any]]:
     import ray
 
-    from raydeck.tracking.proxy import find_router
+    from raydeck.tracking.proxy.actors import find_router
 
     router = find_router(settings.ray_namespace)
     if router is None:  # not created yet
@@ -192,7 +192,7 @@ def test_shard_and_router_sigkilled_mid_stream(proxy: tuple[MlflowServer, Settin
     import ray
 
     import raydeck
-    from raydeck.tracking.proxy import ROUTER_NAME, get_shard
+    from raydeck.tracking.proxy.actors import ROUTER_NAME, get_shard
 
     server, settings = proxy
     tracker = raydeck.get_tracker(run_name="proxy-killed", settings=settings)
@@ -229,7 +229,7 @@ def test_a_shard_killed_while_mlflow_is_down_replays_its_spool_once(
     import ray
 
     import raydeck
-    from raydeck.tracking.proxy import get_shard
+    from raydeck.tracking.proxy.actors import get_shard
 
     server, settings = proxy
     tracker = raydeck.get_tracker(run_name="spool-replay", settings=settings)
@@ -340,7 +340,7 @@ def _proxy_pids() -> list[int]:
     import ray
     from ray.util.state import list_actors
 
-    from raydeck.tracking.proxy import ROUTER_NAME, SHARD_NAME_PREFIX
+    from raydeck.tracking.proxy.actors import ROUTER_NAME, SHARD_NAME_PREFIX
 
     alive = list_actors(address=ray.get_runtime_context().gcs_address,
                         filters=[("state", "=", "ALIVE")], limit=10_000)
@@ -383,7 +383,7 @@ def _restarting_train_fn(config: dict[str, Any]) -> None:
     import torch
 
     import raydeck
-    from raydeck.checkpointing import CHECKPOINT_TAG_PREFIX, report_epoch, restore
+    from raydeck.train.checkpointing import CHECKPOINT_TAG_PREFIX, report_epoch, restore
 
     marker = Path(config["marker"])
     tracker = raydeck.get_tracker(settings=config["settings"])
@@ -416,7 +416,7 @@ def test_a_worker_group_restarted_while_mlflow_is_down_completes(
     from ray.train.torch import TorchTrainer
 
     import raydeck
-    from raydeck.training import checkpoint_storage_path
+    from raydeck.train.trainer import checkpoint_storage_path
 
     server, settings = proxy
     tracker = raydeck.get_tracker(run_name="restart-during-outage", settings=settings)
@@ -519,7 +519,7 @@ def test_a_full_spool_disk_is_a_clear_error_and_loses_nothing_acknowledged(
 ) -> None:
     import raydeck
     from raydeck.errors import TrackingUnavailableError
-    from raydeck.tracking.proxy import stop_proxy
+    from raydeck.tracking.proxy.actors import stop_proxy
 
     disk = tmp_path / "disk"
     disk.mkdir()
@@ -628,9 +628,9 @@ def test_log_artifact_resolves_paths_and_never_writes_outside_the_spool(
 def test_s3_stopped_during_artifact_uploads(tmp_path: Path, ray_cluster: None,
                                            killable_mlflow: MlflowServer, s3_server: Any) -> None:
     import raydeck
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.storage import init_buckets
-    from raydeck.tracking.proxy import stop_proxy
+    from raydeck.tracking.proxy.actors import stop_proxy
 
     bucket = f"contract-{uuid.uuid4().hex[:6]}"
     storage_settings = load_settings(env=s3_server.settings_env(

@@ -121,7 +121,7 @@ def test_a_run_records_how_it_was_made(ray_cluster: None, mlflow_client: Any,
 def test_the_proxy_stops_itself_when_idle(tmp_path: Path, ray_cluster: None,
                                           mlflow_server: MlflowServer) -> None:
     import raydeck
-    from raydeck.tracking.proxy import find_router, stop_proxy
+    from raydeck.tracking.proxy.actors import find_router, stop_proxy
 
     settings = isolated_settings(tmp_path, mlflow_server.uri, idle_timeout_s=3.0)
     try:
@@ -141,7 +141,7 @@ def test_tracking_status_and_stop_commands(tmp_path: Path, ray_cluster: None,
     import ray
 
     import raydeck
-    from raydeck.tracking.proxy import find_router, stop_proxy
+    from raydeck.tracking.proxy.actors import find_router, stop_proxy
 
     settings = isolated_settings(tmp_path, mlflow_server.uri)
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
@@ -188,7 +188,7 @@ def test_last_step_counts_values_still_on_their_way_to_mlflow(ray_cluster: None,
 def test_a_job_restarted_from_an_older_checkpoint_logs_each_step_once(ray_cluster: None,
                                                                        mlflow_client: Any) -> None:
     import raydeck
-    from raydeck.checkpointing import mark_resumed
+    from raydeck.train.checkpointing import mark_resumed
 
     logged_at = int(time.time() * 1000)
     with raydeck.get_tracker(run_name="restarted") as tracker:

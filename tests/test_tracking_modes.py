@@ -38,7 +38,7 @@ def _report_nan_and_an_illegal_key(tracker: Any) -> None:
     ``recall@5`` (MLflow refuses ``@``)."""
     import torch
 
-    from raydeck.checkpointing import report_epoch, restore
+    from raydeck.train.checkpointing import report_epoch, restore
 
     model = torch.nn.Linear(2, 1)
     state = restore(tracker, model=model)
@@ -82,7 +82,7 @@ def _fit(mode: str, name: str, workers: int = 2, finish: bool = True,
     from ray.train.torch import TorchTrainer
 
     import raydeck
-    from raydeck.training import checkpoint_storage_path
+    from raydeck.train.trainer import checkpoint_storage_path
 
     tracker = raydeck.get_tracker(run_name=name, mode=mode)
     TorchTrainer(_train_fn, train_loop_config={"finish": finish, "bad_values": bad_values},

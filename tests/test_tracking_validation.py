@@ -102,7 +102,7 @@ def test_limits_are_mlflows_own() -> None:
     they must still be the installed MLflow's."""
     from mlflow.utils import validation as mlflow_validation
 
-    from raydeck.tracking import validation
+    from raydeck.tracking.client import validation
 
     for name in ("MAX_ENTITY_KEY_LENGTH", "MAX_PARAM_VAL_LENGTH", "MAX_TAG_VAL_LENGTH"):
         assert getattr(validation, name) == getattr(mlflow_validation, name), name
@@ -112,7 +112,7 @@ def test_limits_are_mlflows_own() -> None:
 def test_training_processes_do_not_import_mlflow() -> None:
     """A Train worker or job driver imports the tracker and the training runtime; only the
     proxy's shards write to MLflow, so neither MLflow nor pandas may be loaded by that import."""
-    code = ("import sys, raydeck, raydeck.training, raydeck.tracking; "
+    code = ("import sys, raydeck, raydeck.train.trainer, raydeck.tracking; "
             "print(sorted(m for m in ('mlflow', 'pandas') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=50)

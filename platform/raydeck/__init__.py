@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from raydeck._internal.lazy import lazy_attributes
 from raydeck._version import __version__
-from raydeck.config import Settings, load_settings
+from raydeck.config.settings import Settings, load_settings
 from raydeck.errors import (
     ClusterUnavailableError,
     ConfigError,
@@ -28,22 +28,23 @@ from raydeck.errors import (
 )
 
 if TYPE_CHECKING:
-    from raydeck.checkpointing import report_epoch, restore
     from raydeck.integrations.lightning import RaydeckLogger, RaydeckReportCallback
-    from raydeck.scaling import Preset, check_feasible, get_preset
     from raydeck.storage import checkpoint_at
     from raydeck.tracking import NoOpTracker, Tracker, get_tracker
+    from raydeck.train.checkpointing import report_epoch, restore
+    from raydeck.train.feasibility import check_feasible
+    from raydeck.train.presets import Preset, get_preset
     from raydeck.tune import SearchSpace, SweepConfig, SweepJob, sweep
 
 _LAZY = {
     "get_tracker": "raydeck.tracking",
     "Tracker": "raydeck.tracking",
     "NoOpTracker": "raydeck.tracking",
-    "Preset": "raydeck.scaling",
-    "get_preset": "raydeck.scaling",
-    "check_feasible": "raydeck.scaling",
-    "report_epoch": "raydeck.checkpointing",
-    "restore": "raydeck.checkpointing",
+    "Preset": "raydeck.train.presets",
+    "get_preset": "raydeck.train.presets",
+    "check_feasible": "raydeck.train.feasibility",
+    "report_epoch": "raydeck.train.checkpointing",
+    "restore": "raydeck.train.checkpointing",
     "checkpoint_at": "raydeck.storage",
     "sweep": "raydeck.tune",
     "SweepConfig": "raydeck.tune",
@@ -56,15 +57,11 @@ _LAZY = {
 }
 
 
-# Public submodules, reachable as attributes after a plain ``import raydeck``
-# (``raydeck.checkpointing.restore(...)``) and imported on first use only.
+# Public packages, reachable as attributes after a plain ``import raydeck``
+# (``raydeck.tune.sweep(...)``) and imported on first use only.
 _SUBMODULES = (
-    "checkpointing", "cluster", "config", "errors", "examples", "integrations", "job_probe",
-    "job_server_address", "jobs", "kuberay", "models", "observability", "package_data",
-    "preemption", "redaction", "runtime_env", "scaling", "scheduling", "secrets",
-    "serve_ingress", "serving", "settings_sections",
-    "stack", "stack_connection", "stack_credentials", "storage", "tracking", "tracking_uri",
-    "training", "tune",
+    "cluster", "config", "errors", "examples", "integrations", "jobs", "k8s", "models",
+    "observability", "scheduling", "serving", "stack", "storage", "tracking", "train", "tune",
 )
 __getattr__, __dir__ = lazy_attributes(__name__, _SUBMODULES, _LAZY)
 

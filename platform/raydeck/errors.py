@@ -8,9 +8,9 @@ looking at a job log on a cluster, not at our source.
 Two guarantees hold for every class here, subclasses included:
 
 - **Messages never carry a secret.** The message is passed through
-  :func:`raydeck.redaction.redact_text` when the error is built, so URL user-info, secret-named
-  values and known secret values are masked in ``str(exc)``, in ``exc.args`` and in every
-  traceback and log line that shows it.
+  :func:`raydeck._internal.redaction.redact_text` when the error is built, so URL user-info,
+  secret-named values and known secret values are masked in ``str(exc)``, in ``exc.args`` and in
+  every traceback and log line that shows it.
 - **Errors cross processes intact.** Ray pickles an exception raised in a task, an actor or a
   Ray Train worker and re-raises it on the caller. Pickling rebuilds an exception by calling
   its class with ``exc.args``, which fails for a constructor whose arguments are not its message
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from raydeck.redaction import redact_text
+from raydeck._internal.redaction import redact_text
 
 
 def _restore(cls: type[RaydeckError], args: tuple[Any, ...], state: dict[str, Any]

@@ -1,16 +1,16 @@
 """Object storage (MinIO or any S3): one configuration, derived for every tool that needs it.
 
-Owns: turning :class:`~raydeck.config.StorageSettings` into what each tool wants, so they all
-reach the same buckets with the same credentials: the environment MLflow and boto3 read
+Owns: turning :class:`~raydeck.config.settings.StorageSettings` into what each tool wants, so they
+all reach the same buckets with the same credentials: the environment MLflow and boto3 read
 (:func:`secret_env`), the pyarrow filesystem and storage path Ray Train's ``RunConfig`` takes
 (:func:`checkpoint_storage`), and a ``minio.Minio`` client (:func:`minio_client`). Also owns
 bucket bootstrap (:func:`init_buckets`), the preflight check a run does before it starts
 (:func:`verify`), the storage rows of ``raydeck status`` (:func:`health`), and the one-line
 errors that name the endpoint, the bucket and the access key id (never the secret).
 
-Does not own: what a checkpoint holds (:mod:`raydeck.checkpointing`), where MLflow puts a run's
-artifacts inside the artifacts bucket (MLflow does, under the experiment's artifact location that
-:mod:`raydeck.config` derives from these settings), or the S3 server itself.
+Does not own: what a checkpoint holds (:mod:`raydeck.train.checkpointing`), where MLflow puts a
+run's artifacts inside the artifacts bucket (MLflow does, under the experiment's artifact location
+that :mod:`raydeck.config.settings` derives from these settings), or the S3 server itself.
 
 Nothing here depends on which S3 server answers: production uses MinIO, tests use SeaweedFS.
 """
@@ -32,9 +32,9 @@ from urllib.parse import urlparse
 import pyarrow.fs
 
 from raydeck._internal.environ import environment
-from raydeck.config import Settings, StorageSettings
+from raydeck._internal.redaction import redact_url
+from raydeck.config.settings import Settings, StorageSettings
 from raydeck.errors import StorageError
-from raydeck.redaction import redact_url
 
 if TYPE_CHECKING:
     from minio import Minio
@@ -154,7 +154,7 @@ def _rebuild_filesystem(options: dict[str, Any], max_attempts: int) -> RetryingS
 def _own_secret(options: dict[str, Any]) -> str | None:
     """This process's secret for the endpoint and key id of a filesystem pickled without it
     (None if this process lacks it)."""
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
 
     try:
         storage = load_settings().storage

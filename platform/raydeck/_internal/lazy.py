@@ -1,7 +1,7 @@
 """Lazy attributes of a package (PEP 562): public names and submodules, imported on first use.
 
 ``import raydeck`` runs in every Ray worker, so it must not import torch, Tune or Lightning.
-Each package lists what it exposes; the first ``raydeck.checkpointing`` or
+Each package lists what it exposes; the first ``raydeck.train.checkpointing`` or
 ``raydeck.get_tracker`` imports the module that holds it, and later lookups are plain attribute
 reads (the value is stored in the package's namespace).
 """

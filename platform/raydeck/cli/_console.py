@@ -21,7 +21,7 @@ def setup_logging(level: str) -> None:
     """raydeck's loggers to stderr at ``level``, redacted; Ray's and MLflow's stay quiet."""
     from rich.logging import RichHandler
 
-    from raydeck.redaction import RedactingFilter
+    from raydeck._internal.redaction import RedactingFilter
 
     handler = RichHandler(console=err_console, show_path=False, show_time=False)
     handler.addFilter(RedactingFilter())

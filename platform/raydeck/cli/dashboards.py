@@ -31,7 +31,7 @@ DirOption = typer.Option(None, "--dir", show_default=False,
 
 
 def _directory(given: Path | None) -> Path:
-    from raydeck.package_data import default_path
+    from raydeck.config.package_data import default_path
 
     return given or default_path(DEFAULT_DIR)
 
@@ -43,9 +43,9 @@ def render(
                                help="Write nothing; exit 1 if the committed files are stale."),
 ) -> None:
     """Regenerate the dashboards' JSON, the alert rules and the provisioning files."""
+    from raydeck.config.package_data import is_packaged
     from raydeck.errors import ConfigError
     from raydeck.observability.dashboards import render as render_files
-    from raydeck.package_data import is_packaged
 
     directory = _directory(directory)
     if not check and is_packaged(directory):
@@ -78,12 +78,12 @@ def push(
     directory: Path = DirOption,
 ) -> None:
     """Upload the dashboards and the Prometheus datasource to Grafana (idempotent, stable uids)."""
+    from raydeck._internal.redaction import redact_url
+    from raydeck.config.secrets import Secret
     from raydeck.errors import ConfigError
     from raydeck.observability.dashboards import load_dashboards
     from raydeck.observability.grafana import push as push_all
     from raydeck.observability.grafana import ray_dashboards
-    from raydeck.redaction import redact_url
-    from raydeck.secrets import Secret
 
     if not url:
         raise ConfigError("no Grafana URL: pass --url or set GRAFANA_URL (e.g. "
@@ -111,11 +111,11 @@ def check(
     directory: Path = DirOption,
 ) -> None:
     """Run every panel's query against Prometheus; exit 1 if one errors or returns nothing."""
+    from raydeck._internal.redaction import redact_url
     from raydeck.errors import ConfigError
     from raydeck.observability.dashboard_check import check as check_panels
     from raydeck.observability.dashboards import load_dashboards
     from raydeck.observability.prometheus import PrometheusClient, parse_duration
-    from raydeck.redaction import redact_url
 
     shown = redact_url(prometheus_url)
     values = {}

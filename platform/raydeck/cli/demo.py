@@ -50,17 +50,17 @@ def demo(
                                     help="Register the trained model as a new version of NAME."),
 ) -> None:
     """Train a digits classifier on a local Ray cluster with 2 workers, tracked in MLflow."""
-    from raydeck.config import load_settings
+    from raydeck._internal.redaction import redact_url
+    from raydeck.config.settings import load_settings
     from raydeck.examples.digits import run_digits
-    from raydeck.redaction import redact_url
-    from raydeck.scaling import get_preset
+    from raydeck.train.presets import get_preset
 
     settings = load_settings()
     setup_logging(settings.log_level)
     get_preset(preset, settings.presets_file)
     console.print(f"[bold]raydeck demo[/]: digits classifier, preset {preset}, {epochs} epochs")
     with console.status("starting Ray and the tracking proxy..."):
-        from raydeck.cluster import connect
+        from raydeck.cluster.connection import connect
 
         connect(settings, log_to_driver=False)
     run = run_digits(preset=preset, config={"epochs": epochs}, run_name=run_name,

@@ -16,8 +16,8 @@ from raydeck.cli._console import console, err_console, format_duration, setup_lo
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from raydeck.config import Settings
-    from raydeck.jobs import JobRequest, JobServer
+    from raydeck.config.settings import Settings
+    from raydeck.jobs.submission import JobRequest, JobServer
 
 DEFAULT_RUNTIME_ENV = "runtime_envs/local.yaml"
 DEFAULT_PRESET = "cpu-2"
@@ -76,10 +76,13 @@ def submit(
     RAY_AUTH_TOKEN_PATH or, for a cluster on this machine only, ~/.ray/auth_token
     (RAY_AUTH_MODE=disabled sends none); it is never printed.
     """
-    from raydeck.config import RUN_KEY_PATTERN, load_settings
+    from raydeck._internal.redaction import redact_text, redact_url
+    from raydeck.config.package_data import default_path
+    from raydeck.config.settings import RUN_KEY_PATTERN, load_settings
     from raydeck.errors import ConfigError
-    from raydeck.job_probe import probe
-    from raydeck.jobs import (
+    from raydeck.jobs.probe import probe
+    from raydeck.jobs.runtime_env import load_runtime_env, shell_settings
+    from raydeck.jobs.submission import (
         JobRequest,
         JobServer,
         check_job_file,
@@ -91,10 +94,8 @@ def submit(
         submit_job,
     )
     from raydeck.observability.prometheus import parse_duration
-    from raydeck.package_data import default_path
-    from raydeck.redaction import redact_text, redact_url
-    from raydeck.runtime_env import load_runtime_env, shell_settings
-    from raydeck.scaling import check_feasible, get_preset
+    from raydeck.train.feasibility import check_feasible
+    from raydeck.train.presets import get_preset
 
     settings = load_settings()
     setup_logging(settings.log_level)  # Ray's loggers are quieted once it is imported, below
@@ -190,8 +191,8 @@ def _show_request(request: JobRequest, env_file: str | Path) -> None:
     """What ``--dry-run`` prints: the entrypoint and the runtime env, as they would be sent."""
     import json
 
-    from raydeck.jobs import submitted_runtime_env
-    from raydeck.redaction import redact_text
+    from raydeck._internal.redaction import redact_text
+    from raydeck.jobs.submission import submitted_runtime_env
 
     typer.echo(f"entrypoint: {redact_text(request.entrypoint)}")
     typer.echo(f"runtime env ({env_file}):")
@@ -200,8 +201,8 @@ def _show_request(request: JobRequest, env_file: str | Path) -> None:
 
 def _enqueue(settings: Settings, server: JobServer, request: JobRequest, team: str,
              priority: int, estimate_s: float | None) -> None:
-    from raydeck.jobs import is_local_address
-    from raydeck.scheduling.client import enqueue, job_spec
+    from raydeck.jobs.submission import is_local_address
+    from raydeck.scheduling.queue.client import enqueue, job_spec
 
     spec, package = job_spec(request, settings, team, priority, estimate_s,
                              head_is_local=is_local_address(server.address))
@@ -215,7 +216,7 @@ def _wait_for_run_end(settings: Settings, run_id: str) -> None:
     """Poll the run until MLflow shows it ended (or the tracker's finish timeout passes)."""
     import time
 
-    from raydeck.jobs import find_run
+    from raydeck.jobs.submission import find_run
 
     deadline = time.monotonic() + settings.tracking.finish_timeout_s
     while time.monotonic() < deadline:
@@ -238,7 +239,7 @@ def _quiet_logs(level: str) -> None:
 
 
 def _echo(chunk: str) -> None:
-    from raydeck.redaction import redact_text
+    from raydeck._internal.redaction import redact_text
 
     sys.stdout.write(redact_text(chunk))
     sys.stdout.flush()
@@ -250,9 +251,9 @@ def jobs(
     limit: int = typer.Option(20, min=1, help="How many recent jobs."),
 ) -> None:
     """List recent jobs of the cluster: status, duration and MLflow run."""
-    from raydeck.config import load_settings
-    from raydeck.jobs import JobServer, find_run, list_jobs
-    from raydeck.redaction import redact_text, redact_url
+    from raydeck._internal.redaction import redact_text, redact_url
+    from raydeck.config.settings import load_settings
+    from raydeck.jobs.submission import JobServer, find_run, list_jobs
 
     settings = load_settings()
     _quiet_logs(settings.log_level)
@@ -273,7 +274,7 @@ def jobs(
     if not views:
         err_console.print("no jobs yet")
     console.print(table)
-    from raydeck.scheduling.client import refused
+    from raydeck.scheduling.queue.client import refused
 
     never_started = refused(settings)
     if never_started:

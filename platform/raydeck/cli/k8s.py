@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 
 from raydeck.cli._console import console, setup_logging
-from raydeck.serve_ingress import uses_haproxy
+from raydeck.cluster.serve_ingress import uses_haproxy
 
 app = typer.Typer(help="Kubernetes (KubeRay) manifests for raydeck.", no_args_is_help=True)
 
@@ -65,10 +65,10 @@ def render(
     `raydeck config` shows them; secrets are referenced from the Secret, never written.
     Serve's ingress is HAProxy; RAY_SERVE_ENABLE_HA_PROXY=0 here renders Serve's proxy.
     """
-    from raydeck import kuberay
-    from raydeck.config import load_settings
-    from raydeck.scaling import get_preset
+    from raydeck.config.settings import load_settings
+    from raydeck.k8s import kuberay
     from raydeck.serving import ServeOptions
+    from raydeck.train.presets import get_preset
 
     settings = load_settings()
     setup_logging(settings.log_level)

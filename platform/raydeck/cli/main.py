@@ -15,6 +15,7 @@ import traceback
 import typer
 from rich.markup import escape
 
+from raydeck._internal.redaction import redact_text
 from raydeck.cli import (
     dashboards,
     demo,
@@ -33,9 +34,8 @@ from raydeck.cli import (
 )
 from raydeck.cli import settings as settings_cmd
 from raydeck.cli._console import EXIT_USER_ERROR, err_console
-from raydeck.cluster import leave_as_command_driver
+from raydeck.cluster.connection import leave_as_command_driver
 from raydeck.errors import RaydeckError
-from raydeck.redaction import redact_text
 
 EXIT_BUG = 1
 EXIT_INTERRUPTED = 130
@@ -117,7 +117,7 @@ def main() -> None:
     Anything else is a bug: its traceback is shown (exit code 1), redacted like every other
     output, because exceptions of other libraries quote URLs with their credentials. A command
     that connected to a running cluster leaves without Ray's teardown
-    (:func:`raydeck.cluster.leave_as_command_driver`); see :class:`_Leaving`.
+    (:func:`raydeck.cluster.connection.leave_as_command_driver`); see :class:`_Leaving`.
     """
     atexit.register(_Leaving.after_python_teardown)
     _Leaving.code = _run("--debug" in sys.argv)

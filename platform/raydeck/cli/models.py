@@ -15,7 +15,7 @@ app = typer.Typer(help="Registered models: list, show versions, promote with an 
 
 
 def _tracking_uri() -> str:
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
 
     settings = load_settings()
     setup_logging(settings.log_level)

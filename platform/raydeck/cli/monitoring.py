@@ -34,9 +34,9 @@ def config(
                                               help="Seconds between rule evaluations."),
 ) -> None:
     """Write a Prometheus config that scrapes every Ray node and loads raydeck's alert rules."""
+    from raydeck.config.package_data import checkout_path, packaged_path
     from raydeck.errors import ConfigError
     from raydeck.observability.prometheus import PrometheusConfig, default_discovery_file
-    from raydeck.package_data import checkout_path, packaged_path
 
     discovery = discovery_file or default_discovery_file()
     if not rules:

@@ -9,8 +9,8 @@ from raydeck.cli._console import console
 
 def presets() -> None:
     """List scaling presets: workers, CPUs/GPUs/memory per worker, placement, fault tolerance."""
-    from raydeck.config import load_settings
-    from raydeck.scaling import load_presets
+    from raydeck.config.settings import load_settings
+    from raydeck.train.presets import load_presets
 
     settings = load_settings()
     table = Table(title="scaling presets")

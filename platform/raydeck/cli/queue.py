@@ -1,7 +1,7 @@
 """``raydeck queue``, ``raydeck cancel`` and ``raydeck reprioritize``: the cluster's job queue.
 
-Each call goes as this process's OS user (raydeck.scheduling.identity); who may do what is the
-queue's rule (raydeck.scheduling.access, docs/scheduling.md)."""
+Each call goes as this process's OS user (raydeck.scheduling.queue.identity); who may do what is the
+queue's rule (raydeck.scheduling.queue.access, docs/scheduling.md)."""
 
 from __future__ import annotations
 
@@ -17,13 +17,13 @@ from rich.table import Table
 from raydeck.cli._console import console, err_console, format_duration, setup_logging
 
 if TYPE_CHECKING:
-    from raydeck.config import Settings
-    from raydeck.jobs import JobServer
+    from raydeck.config.settings import Settings
+    from raydeck.jobs.submission import JobServer
 
 
 def _context(address: str | None) -> tuple[Settings, JobServer]:
-    from raydeck.config import load_settings
-    from raydeck.jobs import JobServer
+    from raydeck.config.settings import load_settings
+    from raydeck.jobs.submission import JobServer
 
     settings = load_settings()
     setup_logging(settings.log_level)
@@ -74,8 +74,8 @@ def queue(
     import yaml
 
     from raydeck.errors import ConfigError
-    from raydeck.scheduling.client import listing
-    from raydeck.scheduling.config_change import ConfigChange, parse_thresholds
+    from raydeck.scheduling.queue.client import listing
+    from raydeck.scheduling.queue.config_change import ConfigChange, parse_thresholds
 
     settings, server = _context(address)
     team_specs = None
@@ -122,7 +122,7 @@ def cancel(
 ) -> None:
     """Take a job out of the queue, or stop it if it has started (its submitter, its team's
     members or an admin may)."""
-    from raydeck.scheduling.client import cancel as cancel_job
+    from raydeck.scheduling.queue.client import cancel as cancel_job
 
     settings, server = _context(address)
     view = cancel_job(settings, server, job_id)
@@ -136,7 +136,7 @@ def reprioritize(
     address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
 ) -> None:
     """Change a job's priority (its submitter, its team's members or an admin may)."""
-    from raydeck.scheduling.client import reprioritize as reprioritize_job
+    from raydeck.scheduling.queue.client import reprioritize as reprioritize_job
 
     settings, server = _context(address)
     view = reprioritize_job(settings, server, job_id, priority)

@@ -53,7 +53,7 @@ def serve(
 ) -> None:
     """Serve a registered model on Ray Serve: POST /invocations as `mlflow models serve`
     takes it, batched, following an alias; `raydeck serve status` shows what runs."""
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.serving import ServeOptions
 
     settings = load_settings()
@@ -94,7 +94,7 @@ def _bounds(autoscale: str | None) -> tuple[int | None, int | None]:
 def _write_config(options: ServeOptions, path: Path) -> None:
     import yaml
 
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.models import resolve_model_uri
     from raydeck.serving import serve_config
 
@@ -108,7 +108,7 @@ def _write_config(options: ServeOptions, path: Path) -> None:
 def _deploy(options: ServeOptions, detach: bool | None) -> None:
     from ray import serve as ray_serve
 
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.serving import deploy
 
     settings = load_settings()
@@ -140,7 +140,7 @@ def _started_ray_here() -> bool:
 
 
 def _status(address: str) -> None:
-    from raydeck.cluster import connect_running
+    from raydeck.cluster.connection import connect_running
     from raydeck.serving import status
 
     connect_running(address)
@@ -161,7 +161,7 @@ def _status(address: str) -> None:
 
 
 def _stop(address: str, name: str | None) -> None:
-    from raydeck.cluster import connect_running
+    from raydeck.cluster.connection import connect_running
     from raydeck.serving import stop
 
     connect_running(address)

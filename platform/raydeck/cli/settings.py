@@ -18,7 +18,11 @@ def show(
     """Show the effective settings after env, raydeck.toml, the ecosystem's variables
     (MLFLOW_TRACKING_URI), the running stack and defaults (secrets masked), each with the
     source it came from."""
-    from raydeck.config import load_settings_with_origins, settings_markdown, settings_reference
+    from raydeck.config.settings import (
+        load_settings_with_origins,
+        settings_markdown,
+        settings_reference,
+    )
 
     if markdown:
         typer.echo(settings_markdown())

@@ -32,7 +32,7 @@ MIB = 1024 * 1024
 
 
 def _stack(events: bool = False) -> Stack:
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
     from raydeck.stack.supervisor import Stack
 
     settings = load_settings()

@@ -19,9 +19,9 @@ def _ray_rows(address: str, namespace: str) -> tuple[list[tuple[str, str, str]],
     """Rows about Ray, and an error line if a configured cluster is unreachable."""
     import ray
 
-    from raydeck.cluster import connect_existing, nodes
+    from raydeck.cluster.connection import connect_existing, nodes
     from raydeck.errors import ClusterUnavailableError
-    from raydeck.tracking.proxy import find_router
+    from raydeck.tracking.proxy.actors import find_router
 
     if address == "local":
         return [("Ray", "local", "a new local instance per process; nothing to inspect")], None
@@ -61,7 +61,7 @@ def _ray_rows(address: str, namespace: str) -> tuple[list[tuple[str, str, str]],
 
 
 def _mlflow_row(uri: str) -> tuple[tuple[str, str, str], str | None]:
-    from raydeck.redaction import redact_text as _redact
+    from raydeck._internal.redaction import redact_text as _redact
 
     shown = _redact(uri)
     if uri.startswith("sqlite:///"):
@@ -94,8 +94,8 @@ def _mlflow_row(uri: str) -> tuple[tuple[str, str, str], str | None]:
 
 def status() -> None:
     """Show the Ray cluster, tracking proxy, MLflow and storage; exit 2 if any is unreachable."""
-    from raydeck.config import load_settings
-    from raydeck.redaction import redact_text
+    from raydeck._internal.redaction import redact_text
+    from raydeck.config.settings import load_settings
     from raydeck.storage import health
 
     settings = load_settings()

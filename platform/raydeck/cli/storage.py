@@ -21,8 +21,8 @@ def init(
                                help="Write, read and delete a probe object in each bucket."),
 ) -> None:
     """Create the artifacts and checkpoints buckets if missing (idempotent) and probe them."""
-    from raydeck.config import load_settings
-    from raydeck.redaction import redact_url
+    from raydeck._internal.redaction import redact_url
+    from raydeck.config.settings import load_settings
     from raydeck.storage import init_buckets
 
     settings = load_settings()

@@ -59,9 +59,9 @@ def sweep(
                                      "driver died or was stopped), or redo its summary."),
 ) -> None:
     """Run a hyperparameter sweep: one MLflow child run per trial, the best model registered."""
-    from raydeck.cluster import connect
-    from raydeck.config import load_settings
-    from raydeck.package_data import default_path
+    from raydeck.cluster.connection import connect
+    from raydeck.config.package_data import default_path
+    from raydeck.config.settings import load_settings
     from raydeck.tune import SearchSpace, SweepConfig
     from raydeck.tune import sweep as run_sweep
 

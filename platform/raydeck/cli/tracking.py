@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from raydeck.cli._console import console
-from raydeck.config import Settings
+from raydeck.config.settings import Settings
 
 app = typer.Typer(help="Inspect or stop the tracking proxy.", no_args_is_help=True)
 STATUS_TIMEOUT_S = 30.0
@@ -17,9 +17,9 @@ STATUS_TIMEOUT_S = 30.0
 
 def _router() -> tuple[Any, Settings]:
     """The running proxy's router (or None) and the settings; raises if no cluster answers."""
-    from raydeck.cluster import connect_existing
-    from raydeck.config import load_settings
-    from raydeck.tracking.proxy import find_router
+    from raydeck.cluster.connection import connect_existing
+    from raydeck.config.settings import load_settings
+    from raydeck.tracking.proxy.actors import find_router
 
     settings = load_settings()
     connect_existing(settings.ray_address or os.environ.get("RAY_ADDRESS") or "auto")
@@ -31,8 +31,8 @@ def status() -> None:
     """Runs the proxy holds, each shard's queue and spool, and values set aside for good."""
     import ray
 
-    from raydeck.redaction import redact_text
-    from raydeck.tracking.proxy import get_shard
+    from raydeck._internal.redaction import redact_text
+    from raydeck.tracking.proxy.actors import get_shard
 
     router, settings = _router()
     if router is None:
@@ -91,7 +91,7 @@ def stop(
     drain_timeout: float = typer.Option(60.0, help="Seconds to wait for pending data to land."),
 ) -> None:
     """Write what is pending, then stop the router and shards (undrained data stays spooled)."""
-    from raydeck.tracking.proxy import stop_proxy
+    from raydeck.tracking.proxy.actors import stop_proxy
 
     router, settings = _router()
     if router is None:

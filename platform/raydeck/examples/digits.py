@@ -3,7 +3,7 @@
 scikit-learn's ``load_digits`` ships inside the package (1,797 8x8 images, 10 classes), so the
 job needs no download. :func:`train_loop_per_worker` is the part to copy into your own jobs: it
 gets its tracker without arguments, resumes from the latest checkpoint, and reports every epoch
-through :func:`raydeck.checkpointing.report_epoch` so the run's history holds each epoch once,
+through :func:`raydeck.train.checkpointing.report_epoch` so the run's history holds each epoch once,
 also across worker failures. ``raydeck demo``, ``jobs/digits_torch.py`` and the sweeps use it.
 """
 
@@ -29,12 +29,12 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from raydeck._internal.atomic_file import atomic_write
+from raydeck._internal.redaction import RedactingFilter, redact_url
 from raydeck.errors import ConfigError, JobPreemptedError
 from raydeck.models import Standardized
-from raydeck.redaction import RedactingFilter, redact_url
 
 if TYPE_CHECKING:
-    from raydeck.config import Settings
+    from raydeck.config.settings import Settings
     from raydeck.tracking import Tracker
 
 logger = logging.getLogger(__name__)
@@ -169,8 +169,8 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train.torch
 
     import raydeck
-    from raydeck.checkpointing import report_epoch, restore
     from raydeck.models import save_torch_model
+    from raydeck.train.checkpointing import report_epoch, restore
 
     config = {**DEFAULT_CONFIG, **config}
     # No run id is passed: the tracker finds the run this Ray Train job belongs to.
@@ -258,11 +258,12 @@ def run_digits(
         PresetError: unknown or invalid preset.
         InfeasibleResourcesError: the cluster can never run the preset.
     """
-    from raydeck.cluster import connect
-    from raydeck.config import load_settings
-    from raydeck.scaling import check_feasible, get_preset
+    from raydeck.cluster.connection import connect
+    from raydeck.config.settings import load_settings
     from raydeck.tracking import get_tracker
-    from raydeck.training import fit
+    from raydeck.train.feasibility import check_feasible
+    from raydeck.train.presets import get_preset
+    from raydeck.train.trainer import fit
 
     started = time.perf_counter()
     settings = settings or load_settings()
@@ -440,7 +441,7 @@ def run_job(train_fn: Callable[[dict[str, Any]], None], *, description: str, run
             register_as=args.register_as,
         )
     except JobPreemptedError as exc:
-        from raydeck.preemption import PREEMPTED_EXIT_CODE
+        from raydeck._internal.contract import PREEMPTED_EXIT_CODE
 
         logger.warning("%s", exc)
         raise SystemExit(PREEMPTED_EXIT_CODE) from None

@@ -8,7 +8,7 @@ raydeck checkpoints), and :func:`resume` (the Lightning checkpoint to pass to
 ``trainer.fit(ckpt_path=...)``). Does not own the distributed setup: that is Ray Train's
 ``RayDDPStrategy``, ``RayLightningEnvironment`` and ``prepare_trainer``.
 
-Each step lands exactly once, as epochs do for plain PyTorch (:mod:`raydeck.checkpointing`):
+Each step lands exactly once, as epochs do for plain PyTorch (:mod:`raydeck.train.checkpointing`):
 inside Ray Train the logger *holds* what Lightning logs for steps after the last committed
 checkpoint, and the callback logs it once Ray Train has committed the epoch's checkpoint (which
 also stores it). When a worker dies, the held values of the unfinished epoch die with it and are
@@ -28,7 +28,7 @@ are made legal (``recall@5`` -> ``recall5``), long hyperparameters are cut (the 
 to the artifact ``lightning/truncated_params.json``), non-numeric metric values are dropped; each
 key is warned about once, and the run counts the changed and dropped values in the tags
 ``raydeck.sanitized_values`` and ``raydeck.dropped_values``
-(the tracker's lenient path: ``strict=False``, :mod:`raydeck.tracking.validation`).
+(the tracker's lenient path: ``strict=False``, :mod:`raydeck.tracking.client.validation`).
 """
 
 from __future__ import annotations
@@ -54,16 +54,16 @@ from lightning_fabric.utilities.logger import (
 from pytorch_lightning.loggers.logger import Logger
 from typing_extensions import override
 
-from raydeck import preemption
-from raydeck.checkpointing import (
+from raydeck.tracking import Tracker, get_tracker
+from raydeck.tracking.client import preemption
+from raydeck.tracking.client.validation import truncated_param
+from raydeck.train.checkpointing import (
     MetricPoint,
     log_points,
     mark_resumed,
     report_checkpoint,
     stored_points,
 )
-from raydeck.tracking import Tracker, get_tracker
-from raydeck.tracking.validation import truncated_param
 
 logger = logging.getLogger(__name__)
 
@@ -295,7 +295,7 @@ class RaydeckReportCallback(pl.Callback):
 
     The counterpart of ``ray.train.lightning.RayTrainReportCallback``: the checkpoint holds
     Lightning's full checkpoint (``lightning.ckpt``: weights, optimizers, schedulers, loop
-    state) plus what :mod:`raydeck.checkpointing` needs, so the run's metric history stays
+    state) plus what :mod:`raydeck.train.checkpointing` needs, so the run's metric history stays
     exactly once across worker failures. Ray Train's ``Result.metrics`` get Lightning's
     ``callback_metrics`` plus ``epoch`` and ``step``. Use it with :class:`RaydeckLogger` (whose
     values it logs at each commit) and :func:`resume`.

@@ -18,8 +18,8 @@ from __future__ import annotations
 from mlflow.store.artifact.mlflow_artifacts_repo import MlflowArtifactsRepository
 from mlflow.tracking._tracking_service.utils import get_tracking_uri
 
+from raydeck.config.tracking_uri import RAYDECK_URI_SCHEME
 from raydeck.integrations.mlflow_store import backend_settings
-from raydeck.tracking_uri import RAYDECK_URI_SCHEME
 
 
 class RaydeckArtifactsRepository(MlflowArtifactsRepository):

@@ -16,7 +16,7 @@ and the rule that decides what ``mlflow.start_run()`` (the store's ``create_run`
   MLflow run, as its own.
 - A write by id alone (``MlflowClient().log_batch(run_id, ...)`` in a Ray actor, say) to a run
   this process neither created nor started is a guest write
-  (:func:`~raydeck.tracking.attach.attach_guest`): it returns only once the proxy holds the
+  (:func:`~raydeck.tracking.client.attach.attach_guest`): it returns only once the proxy holds the
   values (spooled, durable), as plain MLflow returns only once the server has them, and the
   guest takes no part in the run's life: the run's owner ends it while the guest's process
   lives on (a later guest write lands in the ended run, as in plain MLflow), and the guest's
@@ -42,13 +42,13 @@ from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
 from mlflow.store.tracking.abstract_store import AbstractStore
 from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
-from raydeck.cluster import connect
-from raydeck.config import Settings
+from raydeck.cluster.connection import connect
+from raydeck.config.settings import Settings
 from raydeck.errors import TrackingUnavailableError, TrackingWriteError
 from raydeck.tracking import Tracker, get_tracker
-from raydeck.tracking.attach import attach_guest
-from raydeck.tracking.context import detect_process
-from raydeck.tracking.proxy import end_unowned_run
+from raydeck.tracking.client.attach import attach_guest
+from raydeck.tracking.client.context import detect_process
+from raydeck.tracking.proxy.actors import end_unowned_run
 
 logger = logging.getLogger(__name__)
 

@@ -38,10 +38,10 @@ from mlflow.tracking._tracking_service import utils as tracking_utils
 from mlflow.utils.async_logging.run_operations import RunOperations
 from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT, MLFLOW_RUN_NAME
 
-from raydeck.config import Settings, load_settings
+from raydeck.config.settings import Settings, load_settings
+from raydeck.config.tracking_uri import unwrap_tracking_uri
 from raydeck.errors import TrackingValidationError
 from raydeck.integrations.mlflow_runs import TERMINAL_STATUSES, PluginRuns
-from raydeck.tracking_uri import unwrap_tracking_uri
 
 logger = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
+from raydeck.config.secrets import Secret
 from raydeck.errors import ConfigError, MonitoringError
-from raydeck.secrets import Secret
 
 DATASOURCE_UID = "raydeck-prometheus"
 DATASOURCE_NAME = "Prometheus (raydeck)"
@@ -158,7 +158,7 @@ class _GrafanaCalls:
     """Runs grafana-client calls, turning its exceptions into one clear MonitoringError."""
 
     def __init__(self, url: str) -> None:
-        from raydeck.redaction import redact_text as _redact
+        from raydeck._internal.redaction import redact_text as _redact
 
         self.url = _redact(url)
 

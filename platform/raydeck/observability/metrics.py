@@ -2,12 +2,12 @@
 
 Owns: the registry of raydeck's metrics (:data:`METRICS`: name, kind, labels, meaning; README's
 table and the dashboards are written against it), the Ray metric objects behind them, and the
-recording APIs: :class:`TrainingMetrics` (called by :func:`raydeck.checkpointing.report_epoch`),
-:class:`SweepMetrics` (for the sweep driver), :func:`storage_operation` (for storage code). The
-tracking proxy's :mod:`raydeck.tracking.metrics` records the ``raydeck_tracking_*`` entries.
-Does not own: keeping gauges exported between two ``set()`` calls
-(:mod:`raydeck.observability.held_gauge`, which every gauge here goes through), scraping
-(:mod:`raydeck.observability.prometheus`) or dashboards.
+recording APIs: :class:`TrainingMetrics` (called by
+:func:`raydeck.train.checkpointing.report_epoch`), :class:`SweepMetrics` (for the sweep driver),
+:func:`storage_operation` (for storage code). The tracking proxy's
+:mod:`raydeck.tracking.proxy.metrics` records the ``raydeck_tracking_*`` entries. Does not own:
+keeping gauges exported between two ``set()`` calls (:mod:`raydeck.observability.held_gauge`, which
+every gauge here goes through), scraping (:mod:`raydeck.observability.prometheus`) or dashboards.
 
 How numbers reach Prometheus: a ``ray.util.metrics`` object in any Ray process (driver, actor,
 Train worker) is exported by its node's metrics agent on the node's metrics export port. Ray

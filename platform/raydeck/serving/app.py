@@ -9,9 +9,9 @@ not exist fails in :func:`deploy` before anything reaches the cluster.
 
 Deployed from a config: :func:`deploy` sends Serve the same config :func:`serve_config` writes
 (Serve's declarative API, as ``serve deploy`` does), added to the cluster's other
-config-deployed applications (:func:`raydeck.serve_configs.with_application`). So an
+config-deployed applications (:func:`raydeck.serving.deploy_config.with_application`). So an
 application with ``--autoscale`` has an ``autoscaling_config`` in its config, which the queue
-can send back with a lower ``max_replicas`` in place (:mod:`raydeck.scheduling.serve_apps`);
+can send back with a lower ``max_replicas`` in place (:mod:`raydeck.scheduling.queue.serve_apps`);
 one deployed with ``serve.run`` has none that could change without rebuilding it.
 
 Secrets: the tracking URI and storage credentials reach replicas as the deployment's pickled
@@ -36,14 +36,14 @@ import uuid
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from raydeck._internal.contract import KV_NAMESPACE
+from raydeck._internal.redaction import redact_text
 from raydeck.errors import ConfigError
-from raydeck.preemption import KV_NAMESPACE
-from raydeck.redaction import redact_text
-from raydeck.serve_configs import deployed_config, with_application
+from raydeck.serving.deploy_config import deployed_config, with_application
 from raydeck.serving.options import ServeOptions
 
 if TYPE_CHECKING:
-    from raydeck.config import Settings
+    from raydeck.config.settings import Settings
     from raydeck.models import ModelRef
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def app_builder(args: dict[str, Any]) -> Any:
         ConfigError: the settings the key names are gone (the cluster's KV was lost): deploy
             again.
     """
-    from raydeck.config import load_settings
+    from raydeck.config.settings import load_settings
 
     args = dict(args)
     key = args.pop(SETTINGS_ARG, None)
@@ -111,7 +111,7 @@ def deploy(options: ServeOptions, settings: Settings) -> ModelRef:
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    from raydeck.cluster import connect
+    from raydeck.cluster.connection import connect
     from raydeck.models import resolve_model_uri
 
     ref = resolve_model_uri(options.model_uri, settings.tracking.uri)

@@ -15,7 +15,7 @@ from raydeck.errors import ConfigError
 from raydeck.serving.protocol import DEFAULT_MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:
-    from raydeck.config import Settings
+    from raydeck.config.settings import Settings
 
 DEFAULT_PRESET = "cpu-1"
 # Ray sets CUDA_VISIBLE_DEVICES (and each other accelerator's variable) only for an actor it
@@ -115,7 +115,7 @@ class ServeOptions:
 
     def deployment_options(self, settings: Settings) -> dict[str, Any]:
         """Replicas, their resources and autoscaling, from the preset and the bounds."""
-        from raydeck.scaling import get_preset
+        from raydeck.train.presets import get_preset
 
         preset = get_preset(self.preset, settings.presets_file)
         actor_options: dict[str, Any] = {

@@ -32,8 +32,8 @@ import torch
 from ray import serve
 
 from raydeck._internal.pytorch_flavor import import_pytorch_flavor
+from raydeck._internal.redaction import redact_text
 from raydeck.models import ModelRef, resolve_model_uri
-from raydeck.redaction import redact_text
 from raydeck.serving.batching import AdaptiveBatcher
 from raydeck.serving.protocol import (
     JSON_TYPE,
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from starlette.requests import Request
     from starlette.responses import Response
 
-    from raydeck.config import Settings
+    from raydeck.config.settings import Settings
     from raydeck.serving.options import ServeOptions
 
 logger = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class ModelServer:
     """One replica of a served model (see the module docstring for the contract)."""
 
     def __init__(self, options: ServeOptions, settings: Settings | None = None) -> None:
-        from raydeck.config import load_settings
+        from raydeck.config.settings import load_settings
         from raydeck.observability.metrics import (
             SERVING_BAD_REQUESTS,
             SERVING_MODEL_UPDATES,

@@ -7,8 +7,9 @@ JupyterLab. ``services`` defines them (and is checked against the compose file),
 knows how to start and probe each, ``supervisor`` brings them up and down in order,
 ``state`` owns the state directory.
 
-Below this package, because every raydeck process reads them (:mod:`raydeck.config` in every
-process, Ray workers included): :mod:`raydeck.stack_connection`, the file through which every
-raydeck process on the machine finds the running stack, and :mod:`raydeck.stack_credentials`,
-the stack's secrets. This package's ``__init__`` imports nothing.
+Below this package, because every raydeck process reads them (:mod:`raydeck.config.settings` in
+every process, Ray workers included): :mod:`raydeck.config.stack_connection`, the file through which
+every raydeck process on the machine finds the running stack, and
+:mod:`raydeck.config.stack_credentials`, the stack's secrets. This package's ``__init__`` imports
+nothing.
 """

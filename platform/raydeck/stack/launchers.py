@@ -20,14 +20,14 @@ from pathlib import Path
 
 import requests
 
-from raydeck.config import Settings, StorageSettings
+from raydeck.cluster.serve_ingress import HAPROXY_PORT_ENVS, local_node_env
+from raydeck.config.settings import Settings, StorageSettings
+from raydeck.config.stack_credentials import Credentials
 from raydeck.errors import StackError, StorageError
-from raydeck.serve_ingress import HAPROXY_PORT_ENVS, local_node_env
 from raydeck.stack import postgres, services
 from raydeck.stack.processes import RunAs, free_port, port_free
 from raydeck.stack.services import LOOPBACK, MARKER_ENV, SERVICE_ENV, ServiceSpec, service
 from raydeck.stack.state import StackPaths, StackState
-from raydeck.stack_credentials import Credentials
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class StackContext:
 def repository_path(relative: Path) -> Path | None:
     """``relative`` in the checkout raydeck runs from (editable install), the current dir, or
     the files installed with raydeck (``raydeck/_data``: runtime envs, dashboards, rules)."""
-    from raydeck.package_data import packaged_path
+    from raydeck.config.package_data import packaged_path
 
     package_root = Path(__file__).resolve().parents[3]
     for base in (package_root, Path.cwd()):
@@ -338,7 +338,7 @@ class RayHeadLauncher(Launcher):
     # Ray's raylet gives its Python agents a fixed 15 s to report their ports and aborts when
     # a busy machine makes them miss it; the next start finds their modules in the page cache.
     start_attempts = 3
-    # Serve's HAProxy (raydeck.serve_ingress): its stats and metrics ports and its fallback
+    # Serve's HAProxy (raydeck.cluster.serve_ingress): its stats and metrics ports and its fallback
     # proxy's, this stack's own; in the order of HAPROXY_PORT_ENVS.
     haproxy_port_names = ("haproxy-stats-port", "haproxy-metrics-port",
                           "serve-fallback-proxy-port")

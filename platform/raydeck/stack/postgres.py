@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from raydeck.config.secrets import Secret
 from raydeck.errors import StackError
-from raydeck.secrets import Secret
 from raydeck.stack.processes import RunAs, open_log
 from raydeck.stack.services import LOOPBACK, POSTGRES_DB, POSTGRES_USER
 from raydeck.stack.state import StackPaths, StackState

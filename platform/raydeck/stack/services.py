@@ -12,7 +12,8 @@ environment variable one side sets and the other does not.
 
 The environments themselves are built by :mod:`raydeck.stack.launchers` with the compose file's
 variable names (``RAYDECK_*`` settings, ``RAY_AUTH_TOKEN``, ``PGPASSWORD``, ...), and the
-credentials file uses the names of ``docker/.env.example`` (:mod:`raydeck.stack_credentials`).
+credentials file uses the names of ``docker/.env.example``
+(:mod:`raydeck.config.stack_credentials`).
 
 Does not own: starting anything (:mod:`raydeck.stack.supervisor`) or the state directory
 (:mod:`raydeck.stack.state`).
@@ -23,11 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from raydeck.cluster.serve_ingress import HAPROXY_PORT_ENVS
 from raydeck.errors import ConfigError
-from raydeck.serve_ingress import HAPROXY_PORT_ENVS
 
 if TYPE_CHECKING:
-    from raydeck.config import Settings
+    from raydeck.config.settings import Settings
 
 # Compose's defaults for its PostgreSQL (``${POSTGRES_USER:-mlflow}``, ``${POSTGRES_DB:-mlflow}``).
 POSTGRES_USER = "mlflow"

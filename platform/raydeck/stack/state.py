@@ -3,7 +3,7 @@
 Layout (everything the stack owns, so ``raydeck down --purge`` removes exactly this)::
 
     stack/
-      credentials.env     the stack's secrets (0600, raydeck.stack_credentials)
+      credentials.env     the stack's secrets (0600, raydeck.config.stack_credentials)
       ray_auth_token      Ray's token alone, for RAY_AUTH_TOKEN_PATH (0600)
       state.json          ports, started processes (PID + start time), versions
       lock                held by `up` and `down` while they work

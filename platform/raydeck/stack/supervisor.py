@@ -33,21 +33,21 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from raydeck import stack_connection
-from raydeck import stack_credentials as credentials
-from raydeck.config import (
+from raydeck.config import stack_connection
+from raydeck.config import stack_credentials as credentials
+from raydeck.config.settings import (
     Settings,
     TrackingSettings,
     load_settings,
     load_settings_with_origins,
 )
+from raydeck.config.stack_connection import MLFLOW_TRACKING_URI_ENV
 from raydeck.errors import ConfigError, StackError
 from raydeck.stack import postgres, processes
 from raydeck.stack.launchers import LAUNCHERS, Launcher, StackContext, process_env
 from raydeck.stack.processes import ProcessRecord
 from raydeck.stack.services import LOOPBACK, SERVICES, default_port, service
 from raydeck.stack.state import StackPaths, StackState, locked
-from raydeck.stack_connection import MLFLOW_TRACKING_URI_ENV
 
 logger = logging.getLogger(__name__)
 

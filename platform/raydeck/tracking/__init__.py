@@ -11,8 +11,8 @@ between them. ``docs/tracking-contract.md``
 says what each fault does to a run's data.
 """
 
-from raydeck.tracking.attach import get_tracker
-from raydeck.tracking.noop import NoOpTracker
-from raydeck.tracking.tracker import Tracker
+from raydeck.tracking.client.attach import get_tracker
+from raydeck.tracking.client.noop import NoOpTracker
+from raydeck.tracking.client.tracker import Tracker
 
 __all__ = ["NoOpTracker", "Tracker", "get_tracker"]

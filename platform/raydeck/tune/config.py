@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from raydeck.config import RUN_KEY_PATTERN
+from raydeck.config.settings import RUN_KEY_PATTERN
 from raydeck.errors import ConfigError
 
 SCHEDULERS = ("asha", "fifo", "pbt")
@@ -136,7 +136,7 @@ class SweepJob:
             :func:`raydeck.tune.restore` once and :func:`raydeck.tune.report` once per
             iteration. Distributed: a Ray Train per-worker loop (``train_fn(config)``, the data
             in ``config["data"]``) that reports each epoch with
-            :func:`raydeck.checkpointing.report_epoch`; epochs count from 0 and a trial's
+            :func:`raydeck.train.checkpointing.report_epoch`; epochs count from 0 and a trial's
             iteration is its epoch + 1.
         reports: metric names the job reports, checked against ``SweepConfig.metric`` before
             any trial starts.

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from raydeck.config import Settings, load_settings
+from raydeck.config.settings import Settings, load_settings
 from raydeck.errors import ConfigError, SweepFinalizeError, SweepInterruptedError
 from raydeck.models import RUN_TAG
 from raydeck.tune.config import SweepConfig, SweepJob
@@ -97,10 +97,11 @@ def sweep(
 
 def _sweep(job: SweepJob, space: SearchSpace | Mapping[str, Any] | None, config: SweepConfig,
            settings: Settings, resume: bool) -> SweepResult:
-    from raydeck.cluster import connect
-    from raydeck.scaling import check_feasible, get_preset
+    from raydeck.cluster.connection import connect
     from raydeck.storage import verify
     from raydeck.tracking import get_tracker
+    from raydeck.train.feasibility import check_feasible
+    from raydeck.train.presets import get_preset
 
     storage = sweep_storage(settings)
     if resume:
@@ -425,7 +426,7 @@ def _interrupted(stop: _StopRequest, monitor: SweepMonitor, parent: Any, config:
 def _finalize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any, job: SweepJob,
               settings: Settings, registered: str | None) -> SweepResult:
     """The summary and registry steps; a failure says what is intact and what to re-run."""
-    from raydeck.tracking.proxy import wait_runs_landed
+    from raydeck.tracking.proxy.actors import wait_runs_landed
 
     rerun = f"`raydeck sweep --name {config.name} --resume`"
     trial_keys = [config.trial_key(str(r.metrics["trial_id"])) for r in grid

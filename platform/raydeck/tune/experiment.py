@@ -22,7 +22,7 @@ from typing import Any
 
 import pyarrow.fs
 
-from raydeck.config import Settings
+from raydeck.config.settings import Settings
 from raydeck.tune.config import SweepConfig
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from raydeck.redaction import redact_text
+from raydeck._internal.redaction import redact_text
 from raydeck.tune.config import SweepConfig
 from raydeck.tune.status import COMPLETED, ERRORED, StatusPolicy, TrialOutcome
 
@@ -269,7 +269,7 @@ def end_child_run(config: SweepConfig, namespace: str, trial_id: str, outcome: T
     """
     import ray
 
-    from raydeck.tracking.proxy import find_router
+    from raydeck.tracking.proxy.actors import find_router
 
     try:
         router = find_router(namespace)

@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from raydeck.config import Settings
+from raydeck.config.settings import Settings
 from raydeck.errors import ConfigError
 from raydeck.tune.config import SweepConfig, SweepJob
 from raydeck.tune.summary import TrialSummary
@@ -34,9 +34,9 @@ def register_best(grid: Any, best: TrialSummary, config: SweepConfig, job: Sweep
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from raydeck.checkpointing import load_model_state
     from raydeck.models import METRIC_TAG_PREFIX, MODEL_ARTIFACT_PATH, RUN_TAG, save_torch_model
     from raydeck.storage import credentials_in_env
+    from raydeck.train.checkpointing import load_model_state
 
     assert job.model_factory is not None and config.register_model_as is not None
     client = MlflowClient(settings.tracking.uri)

@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from raydeck.config import Settings
+from raydeck._internal.redaction import quiet_mlflow_urls
+from raydeck.config.settings import Settings
 from raydeck.errors import ConfigError
-from raydeck.redaction import quiet_mlflow_urls
 from raydeck.tune.config import SweepConfig
 from raydeck.tune.monitor import END_RUN_TIMEOUT_S, SlotUsage, SweepMonitor, end_child_run
 from raydeck.tune.scheduling import LINEAGE_KEY

@@ -4,7 +4,7 @@ Owns: the Tune function trainable (binding a trial to its MLflow child run, resu
 running the job single-process or as a ``TorchTrainer``), and the job's API inside a
 single-process trial: :func:`restore` once, :func:`report` once per iteration. Does not own: why
 a trial ends (the driver decides, :mod:`raydeck.tune.monitor`) or what a checkpoint holds
-(:mod:`raydeck.checkpointing`).
+(:mod:`raydeck.train.checkpointing`).
 
 Every iteration lands in the child run exactly once, also across ``--resume``:
 
@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from raydeck.config import Settings
+from raydeck.config.settings import Settings
 from raydeck.errors import ConfigError, TrackingUnavailableError
 from raydeck.tune.config import SweepConfig, SweepJob
 from raydeck.tune.scheduling import LINEAGE_KEY
@@ -146,7 +146,7 @@ def report(
     """
     from ray import tune
 
-    from raydeck.checkpointing import write_state
+    from raydeck.train.checkpointing import write_state
 
     trial = _active()
     tracker = trial.tracker()
@@ -179,7 +179,7 @@ def restore(model: Any, optimizer: Any | None = None) -> int:
     """
     from ray import tune
 
-    from raydeck.checkpointing import read_state
+    from raydeck.train.checkpointing import read_state
 
     trial = _active()
     checkpoint = tune.get_checkpoint()
@@ -201,7 +201,7 @@ def trainable(job: SweepJob, config: SweepConfig, settings: Settings) -> Any:
     """
     from ray import tune
 
-    from raydeck.scaling import get_preset
+    from raydeck.train.presets import get_preset
 
     preset = get_preset(config.preset, settings.presets_file)
     experiment = config.experiment or settings.tracking.experiment
@@ -230,7 +230,7 @@ def _run_trial(job: SweepJob, config: SweepConfig, settings: Settings, preset: A
     # Imported here, in this thread, before the binding thread starts: report() imports it and
     # the binding thread imports raydeck.tracking, and two threads importing that cycle at once
     # can see a half-initialized module (ImportError: "partially initialized module").
-    import raydeck.checkpointing  # noqa: F401
+    import raydeck.train.checkpointing  # noqa: F401
 
     trial_config = dict(trial_config)
     exploit = trial_config.pop(LINEAGE_KEY, None)
@@ -362,9 +362,9 @@ def _fit_distributed(job: SweepJob, config: SweepConfig, trial_config: dict[str,
     from ray.train.torch import TorchTrainer
     from ray.util.queue import Queue
 
-    from raydeck.checkpointing import log_points
     from raydeck.storage import checkpoint_storage
-    from raydeck.training import torch_config, within_queue
+    from raydeck.train.checkpointing import log_points
+    from raydeck.train.trainer import torch_config, within_queue
 
     reports: Any = Queue(maxsize=1, actor_options={"num_cpus": 0})
     outcome: dict[str, Any] = {}
@@ -373,7 +373,7 @@ def _fit_distributed(job: SweepJob, config: SweepConfig, trial_config: dict[str,
         job.train_fn,
         train_loop_config={**trial_config, "data": data},
         # An elastic preset's range, kept within the workers the queue allows the sweep's job
-        # (as raydeck.training.fit keeps a training job's).
+        # (as raydeck.train.trainer.fit keeps a training job's).
         scaling_config=within_queue(preset.scaling_config()),
         torch_config=torch_config(preset.scaling_config()),
         run_config=trial.tracker().run_config(
@@ -435,7 +435,7 @@ def _forward_reports(reports: Any) -> Any:
                          checkpoint: Any) -> None:
             import ray
 
-            from raydeck.checkpointing import uri_of
+            from raydeck.train.checkpointing import uri_of
 
             points = _stored_points(checkpoint)
             reported = dict(metrics[0])
@@ -452,7 +452,7 @@ def _forward_reports(reports: Any) -> Any:
 
 def _stored_points(checkpoint: Any) -> list[Any]:
     """Rank 0's stored metric points of a raydeck checkpoint (read alone, not downloaded)."""
-    from raydeck.checkpointing import metrics_file
+    from raydeck.train.checkpointing import metrics_file
 
     if checkpoint is None:
         return []

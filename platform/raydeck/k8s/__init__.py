@@ -1,0 +1,1 @@
+"""Kubernetes: the KubeRay manifests ``raydeck k8s render`` writes (:mod:`~raydeck.k8s.kuberay`)."""

@@ -1,0 +1,128 @@
+"""The queue's two outward interfaces: the job server it starts jobs on (:class:`Launcher`) and
+what it reports as it works (:class:`Observer`).
+
+Owns: those interfaces and :class:`TimedLauncher`, which bounds every call to a launcher, so a
+job server that hangs (a dashboard that accepts connections and never answers) costs the queue
+one bounded wait, never a stalled queue. Ray's launcher is :mod:`raydeck.scheduling.queue.ray_jobs`;
+tests use fakes with the same behaviour.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, TypeVar
+
+from raydeck.scheduling.policies.core import Resources
+
+if TYPE_CHECKING:  # the queue's clients import this module without SQLAlchemy (job_view.py)
+    from raydeck.scheduling.queue.store import JobRow
+
+# The longest one call to the job server may take before the queue gives up on it (Ray's job
+# client requests are sent with this timeout too: raydeck.scheduling.queue.ray_jobs).
+LAUNCHER_TIMEOUT_S = 30.0
+# Threads that may wait on a job server at once; a call beyond them waits for one (bounded too).
+_LAUNCHER_THREADS = 4
+_T = TypeVar("_T")
+
+
+class Launcher(abc.ABC):
+    """The job server the queue starts jobs on."""
+
+    @abc.abstractmethod
+    def submit(self, row: JobRow, package: bytes | None) -> None:
+        """Start the job as ``row.submission_id``; a job with that id already there counts as
+        started. Raises what the job server's client raises (the queue classifies it with
+        :func:`~raydeck.scheduling.queue.failures.classify`)."""
+
+    @abc.abstractmethod
+    def status(self, submission_id: str) -> str | None:
+        """Ray's job status (``PENDING``, ``RUNNING``, ``SUCCEEDED``...), None if unknown."""
+
+    @abc.abstractmethod
+    def stop(self, submission_id: str) -> None:
+        """Stop a running job; raises as ``submit`` does (an HTTP 404: the job server never
+        got it)."""
+
+    @abc.abstractmethod
+    def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
+        """``(free now, total)`` of each node of the cluster (aligned)."""
+
+    @abc.abstractmethod
+    def placed(self, submission_id: str) -> bool:
+        """Whether the cluster has placed the job's placement groups (its workers' resources;
+        one given back since counts); False when it has none yet, one still waits, or that
+        cannot be read."""
+
+
+class Observer:
+    """What the queue reports as it works (the actor exports it as metrics); no-ops here."""
+
+    def started(self, row: JobRow, now: float) -> None:
+        """``row`` was submitted to the job server at ``now`` (its wait: now - submitted)."""
+        return None
+
+    def ended(self, row: JobRow, now: float) -> None:
+        """``row`` ended at ``now`` (its duration: now - started; predicted: estimate_s)."""
+        return None
+
+    def counts(self, by_team_and_state: dict[tuple[str, str], int]) -> None:
+        """After each tick: how many jobs each team has queued and running."""
+        return None
+
+    def preempted(self, row: JobRow, now: float) -> None:
+        """``row`` was asked at ``now`` to stop at its next checkpoint."""
+        return None
+
+
+class LauncherTimeout(TimeoutError):
+    """A call to the job server did not answer within its bound; classified as transient
+    (:func:`raydeck.scheduling.queue.failures.classify`): the queue tries again later."""
+
+
+class TimedLauncher(Launcher):
+    """``launcher`` with each call bounded by ``timeout_s``.
+
+    A call that does not answer in time raises :class:`LauncherTimeout`; its thread is left to
+    finish on its own (at most ``_LAUNCHER_THREADS`` of them: later calls wait their turn within
+    their own bound). A submission that timed out may still reach the job server: the queue
+    treats it as a transient failure and its next try under the same submission id counts as
+    started (the job server refuses the duplicate).
+    """
+
+    def __init__(self, launcher: Launcher, timeout_s: float = LAUNCHER_TIMEOUT_S) -> None:
+        self._launcher = launcher
+        self._timeout_s = timeout_s
+        self._pool = ThreadPoolExecutor(_LAUNCHER_THREADS, thread_name_prefix="raydeck-launcher")
+
+    def _bounded(self, what: str, call: Callable[[], _T]) -> _T:
+        future = self._pool.submit(call)
+        try:
+            return future.result(timeout=self._timeout_s)
+        except FutureTimeout:
+            future.cancel()
+            raise LauncherTimeout(f"the job server did not answer {what} within "
+                                  f"{self._timeout_s:g} s") from None
+
+    def submit(self, row: JobRow, package: bytes | None) -> None:
+        self._bounded(f"submitting {row.submission_id}",
+                      lambda: self._launcher.submit(row, package))
+
+    def status(self, submission_id: str) -> str | None:
+        return self._bounded(f"the status of {submission_id}",
+                             lambda: self._launcher.status(submission_id))
+
+    def stop(self, submission_id: str) -> None:
+        self._bounded(f"stopping {submission_id}", lambda: self._launcher.stop(submission_id))
+
+    def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
+        return self._bounded("the cluster's resources", self._launcher.resources)
+
+    def placed(self, submission_id: str) -> bool:
+        try:
+            return self._bounded(f"whether {submission_id} is placed",
+                                 lambda: self._launcher.placed(submission_id))
+        except LauncherTimeout:
+            return False  # the contract: False when it cannot be read (a gang waits CLAIM_S)

@@ -1,0 +1,95 @@
+"""Submitting a queued job to the job server and recording what came of it.
+
+Owns: :class:`Submitter`, the check that a new job's id is not the job server's already, and
+the queue's one way to submit (from its tick, and again for a job
+recorded ``starting`` that was never submitted). The submission runs without the queue's lock;
+its outcome is recorded under it, only if the job is still the one submitted (not cancelled or
+restarted meanwhile). A failure is classified (:func:`~raydeck.scheduling.queue.failures.classify`)
+and recorded on that job alone: a permanent one fails it with the reason, a transient one puts
+it back in the queue (its place and submission id kept: a submission that did get through is
+refused as a duplicate next time and counts as started) to be tried again after a backoff.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from raydeck.errors import ConfigError
+from raydeck.scheduling.queue.failures import Backoff, Failure, classify
+from raydeck.scheduling.queue.launcher import Launcher
+from raydeck.scheduling.queue.store import JobRow, Store
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Submitter:
+    """Submits jobs of ``store`` to ``launcher``; ``lock`` is the queue's."""
+
+    store: Store
+    launcher: Launcher
+    backoff: Backoff
+    lock: threading.RLock
+
+    def refuse_known(self, job_id: str, sid: str) -> None:
+        """Refuse ``job_id`` when the job server already has a job ``sid`` (started outside
+        the queue): the queue would otherwise take that job's status as its own. A job server
+        that cannot be asked now refuses nothing (its check would only delay the queue)."""
+        try:
+            status = self.launcher.status(sid)
+        except Exception as exc:
+            logger.warning("cannot ask the job server whether it has %s (%s); queued anyway",
+                           sid, classify(exc).reason)
+            return
+        if status is not None:
+            raise ConfigError(f"job {job_id}: the job server already has a job {sid} "
+                              f"({status}) that the queue did not start; queue it under "
+                              "another id (a new run: leave out --run-id)")
+
+    def start(self, row: JobRow, now: float) -> bool:
+        """Submit ``row`` (recorded ``starting``); whether it started. A job cancelled while
+        it was being submitted is stopped again and counts as not started."""
+        try:
+            self.launcher.submit(row, self.store.package(row.package_uri)
+                                 if row.package_uri else None)
+        except Exception as exc:
+            with self.lock:
+                if self._still_starting(row):
+                    self._failed(row, classify(exc), now)
+            return False
+        with self.lock:
+            kept = self._still_starting(row)
+            if kept and (row.submit_failures or row.retry_at is not None):
+                self.store.update(row.id, submit_failures=0, retry_at=None, reason="")
+        if not kept:
+            logger.warning("job %s was cancelled while it was submitted; stopping it", row.id)
+            try:
+                self.launcher.stop(row.submission_id)
+            except Exception as exc:
+                logger.error("cannot stop cancelled job %s: %s; `ray job stop %s`", row.id,
+                             classify(exc).reason, row.submission_id)
+        return kept
+
+    def _still_starting(self, row: JobRow) -> bool:
+        current = self.store.get(row.id)
+        return (current is not None and current.state == "starting"
+                and current.attempt == row.attempt)
+
+    def _failed(self, row: JobRow, failure: Failure, now: float) -> None:
+        if failure.permanent:
+            self.store.update(row.id, state="failed", started_at=None, ended_at=now,
+                              retry_at=None, reason=f"not started: {failure.reason}")
+            logger.error("job %s was refused: %s", row.id, failure.reason)
+            return
+        failures = row.submit_failures + 1
+        retry_at = now + self.backoff.delay_s(failures)
+        self.store.update(
+            row.id, state="queued", started_at=None, submit_failures=failures,
+            retry_at=retry_at, **row.sized(),
+            reason=f"submission failed {failures}x ({failure.reason}); retried at "
+                   f"{time.strftime('%H:%M:%S', time.localtime(retry_at))}")
+        logger.warning("job %s: submission failed (%s); retrying in %.0f s", row.id,
+                       failure.reason, retry_at - now)

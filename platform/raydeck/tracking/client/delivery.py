@@ -1,0 +1,497 @@
+"""A tracker's way to the proxy: the bounded buffer, the flusher and heartbeat threads.
+
+Owns: what a process has logged and the proxy has not yet acknowledged (bounded in points and
+bytes), cutting it into batches (at most ``max_batch_points`` points each), sending one batch at
+a time and keeping it until its shard has spooled it, streaming artifact files to the shard in
+chunks (never whole into memory), attaching to the run in the background when the proxy was
+unreachable at ``get_tracker`` time, finding the proxy again after it restarted, and heartbeats.
+Does not own: validation or the MLflow-like API (:mod:`raydeck.tracking.client.tracker`).
+
+Back-pressure: the buffer holds at most ``RAYDECK_TRACKING_MAX_BUFFER_POINTS`` points and
+``RAYDECK_TRACKING_MAX_BUFFER_MB`` of data. It only fills while the proxy cannot take data (its
+spool is on disk, so an MLflow outage does not fill it). A log call that finds it full waits for
+room up to ``RAYDECK_TRACKING_BUFFER_FULL_WAIT_S``; if there is still none, that call's values are
+dropped and counted (a warning, and the tag ``raydeck.dropped_values`` once the proxy is back),
+so training is delayed by a bounded time and never stopped, and nothing is dropped silently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from raydeck.config.settings import Settings
+from raydeck.errors import ConfigError, TrackingSpoolFullError, TrackingUnavailableError
+from raydeck.tracking.messages import (
+    AttachRequest,
+    Batch,
+    DatasetRef,
+    FileRef,
+    Pending,
+    Point,
+    RunBinding,
+)
+from raydeck.tracking.proxy.actors import get_router, get_shard
+
+logger = logging.getLogger(__name__)
+
+DELIVERY_TIMEOUT_S = 30.0
+ROUTER_CALL_TIMEOUT_S = 60.0
+UPLOAD_CHUNK_BYTES = 4 * 1024 * 1024
+POINT_BYTES = 64  # what one buffered point costs, roughly, besides its key
+MAX_BATCH_LOG_BYTES = 1024 * 1024
+DROP_WARNING_INTERVAL_S = 60.0
+DROPPED_TAG = "raydeck.buffer_dropped_values"
+
+
+@dataclass
+class _Buffer:
+    points: list[Point] = field(default_factory=list)
+    params: dict[str, str] = field(default_factory=dict)
+    tags: dict[str, str] = field(default_factory=dict)
+    files: list[tuple[FileRef, Path]] = field(default_factory=list)
+    inputs: list[DatasetRef] = field(default_factory=list)
+    logs: list[tuple[str, str]] = field(default_factory=list)
+    nbytes: int = 0
+
+    def empty(self) -> bool:
+        return not (self.points or self.params or self.tags or self.files or self.inputs
+                    or self.logs)
+
+
+class Delivery:
+    """Buffers what one tracker logged and delivers it to the run's shard, in order.
+
+    Thread-safe. ``collect`` runs in the flusher thread before each round (the tracker adds
+    system metrics and console output there).
+    """
+
+    def __init__(self, settings: Settings, request: AttachRequest, binding: RunBinding | None,
+                 collect: Callable[[], None], on_bound: Callable[[RunBinding], None]) -> None:
+        tracking = settings.tracking
+        self._settings = settings
+        self._request = request
+        self._binding = binding
+        self._collect = collect
+        self._on_bound = on_bound
+        self._max_points = tracking.max_buffer_points
+        self._max_bytes = int(tracking.max_buffer_mb * 1024 * 1024)
+        self._batch_points = tracking.max_batch_points
+        self._full_wait_s = tracking.buffer_full_wait_s
+        self._flush_interval_s = tracking.flush_interval_s
+        self._retry_max_s = tracking.retry_max_s
+        self._heartbeat_interval_s = tracking.heartbeat_interval_s
+        self._lock = threading.RLock()
+        self._room = threading.Condition(self._lock)
+        self._send_lock = threading.Lock()
+        self._buffer = _Buffer()
+        self._unacked: tuple[Batch, list[Path]] | None = None
+        self._seq = 0
+        self._dropped = 0
+        self._dropped_reported = 0
+        self._last_drop_warning = 0.0
+        self._warned_unavailable = False
+        self._last_failure = ""  # why the latest delivery attempt failed; "" after a success
+        self._staging = Path(tempfile.gettempdir()) / f"raydeck-staging-{os.getpid()}" / (
+            request.client_id)
+        self._router: Any = None
+        self._shard: Any = None
+        self._rank_of: tuple[int, int] | None = None
+        self._closed = threading.Event()
+        self._wake = threading.Event()
+        self._heartbeat_ref: Any = None
+        if binding is not None:
+            self._bind(binding)
+        self._thread = threading.Thread(target=self._flush_forever, daemon=True,
+                                        name=f"raydeck-tracker-{request.client_id[:8]}")
+        self._thread.start()
+        # A guest is no participant of its run: nothing to keep alive, nothing to leave.
+        self._heartbeat_thread = None if request.guest else threading.Thread(
+            target=self._heartbeat_forever, daemon=True,
+            name=f"raydeck-heartbeat-{request.client_id[:8]}")
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.start()
+
+    # --- binding ------------------------------------------------------------------------------
+    @property
+    def binding(self) -> RunBinding | None:
+        return self._binding
+
+    def learned_run_id(self, run_id: str) -> None:
+        """Remember MLflow's id of the run once the shard created it."""
+        if self._binding is not None and not self._binding.run_id:
+            self._binding = replace(self._binding, run_id=run_id)
+
+    def _bind(self, binding: RunBinding) -> None:
+        process = self._request.process
+        self._binding = binding
+        self._request = replace(self._request, run_key=binding.params_run_key)
+        if self._router is None:
+            self._router = get_router(self._settings)
+        self._shard = get_shard(self._settings.ray_namespace, binding.shard_index)
+        self._rank_of = (
+            (process.world_rank, process.world_size)
+            if binding.mode == "all_ranks" and self._settings.tracking.cross_rank_stats
+            and process.world_rank is not None and process.world_size
+            else None
+        )
+
+    def attach(self, timeout_s: float) -> RunBinding | None:
+        """Ask the router for this tracker's run; None if it did not answer in time.
+
+        Raises:
+            ConfigError: the router refused the request (a bad key, another MLflow).
+        """
+        try:
+            self._router = get_router(self._settings)
+            binding: RunBinding = ray.get(self._router.attach.remote(self._request),
+                                          timeout=timeout_s)
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if isinstance(exc.cause, Exception) else exc
+            if isinstance(cause, ConfigError):
+                raise ConfigError(str(cause)) from None
+            logger.warning("tracking proxy failed to attach (%s); retrying in the background",
+                           cause)
+            return None
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError,
+                TrackingUnavailableError) as exc:
+            logger.warning("tracking proxy did not answer (%s: %s); this process logs into its "
+                           "buffer and attaches in the background", type(exc).__name__, exc)
+            return None
+        first = self._binding is None
+        self._bind(binding)
+        if first:
+            self._on_bound(binding)
+        return binding
+
+    def shard(self) -> Any:
+        if self._shard is None:
+            raise TrackingUnavailableError(
+                "this tracker is not attached to its run yet (the tracking proxy did not "
+                "answer); its data is buffered")
+        return self._shard
+
+    # --- adding (caller's thread) ---------------------------------------------------------------
+    def add_points(self, points: list[Point]) -> None:
+        """Buffer points; waits for room up to the bound, then drops and counts them."""
+        if not points:
+            return
+        size = len(points) * POINT_BYTES
+        with self._lock:
+            buffer = self._buffer
+            if len(buffer.points) + len(points) > self._max_points or (
+                    buffer.nbytes + size > self._max_bytes):
+                self._wake.set()
+                deadline = time.monotonic() + self._full_wait_s
+                while (len(buffer.points) + len(points) > self._max_points
+                       or buffer.nbytes + size > self._max_bytes):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        self._drop(len(points))
+                        return
+                    self._room.wait(left)
+                    buffer = self._buffer
+            buffer.points.extend(points)
+            buffer.nbytes += size
+            full = len(buffer.points) >= self._batch_points
+        if full:
+            self._wake.set()
+
+    def _drop(self, n: int) -> None:
+        """Count values dropped because the buffer stayed full. Caller holds the lock."""
+        self._dropped += n
+        now = time.monotonic()
+        if now - self._last_drop_warning > DROP_WARNING_INTERVAL_S:
+            self._last_drop_warning = now
+            logger.warning(
+                "tracking buffer full for %.0f s (the proxy is not taking data); dropped %d "
+                "value(s) so far (the run gets the tag %s); raise "
+                "RAYDECK_TRACKING_MAX_BUFFER_POINTS/_MB or check `raydeck tracking status`",
+                self._full_wait_s, self._dropped, DROPPED_TAG)
+
+    def add_params(self, params: dict[str, str]) -> None:
+        with self._lock:
+            self._buffer.params.update(params)
+            self._buffer.nbytes += sum(len(k) + len(v) for k, v in params.items())
+
+    def add_tags(self, tags: dict[str, str]) -> None:
+        with self._lock:
+            self._buffer.tags.update(tags)
+            self._buffer.nbytes += sum(len(k) + len(v) for k, v in tags.items())
+
+    def add_file(self, source: Path, artifact_dir: str, name: str) -> None:
+        """Copy ``source`` to a staging file now (the caller may change it after we return)."""
+        upload_id = uuid.uuid4().hex
+        folder = self._staging / upload_id
+        folder.mkdir(parents=True, exist_ok=True)
+        staged = folder / "data"
+        shutil.copyfile(source, staged)
+        ref = FileRef(upload_id, artifact_dir, name, staged.stat().st_size)
+        with self._lock:
+            self._buffer.files.append((ref, staged))
+        self._wake.set()
+
+    def add_input(self, dataset: DatasetRef) -> None:
+        with self._lock:
+            self._buffer.inputs.append(dataset)
+        self._wake.set()
+
+    def add_log(self, name: str, text: str) -> None:
+        with self._lock:
+            self._buffer.logs.append((name, text))
+            self._buffer.nbytes += len(text)
+
+    def buffered(self) -> Pending:
+        with self._lock:
+            buffer = self._buffer
+            points = len(buffer.points)
+            params, tags, files = len(buffer.params), len(buffer.tags), len(buffer.files)
+            if self._unacked is not None:
+                batch = self._unacked[0]
+                points += len(batch.points)
+                params += len(batch.params)
+                tags += len(batch.tags)
+                files += len(batch.files)
+        return Pending(points=points, params=params, tags=tags, files=files)
+
+    # --- sending --------------------------------------------------------------------------------
+    def flush(self, deadline: float) -> None:
+        """Send everything buffered; returns once the shard spooled it.
+
+        Raises:
+            TrackingUnavailableError: the proxy did not take it before ``deadline`` (the data
+                stays buffered, and the flusher keeps trying).
+        """
+        if self._binding is None and self.attach(max(1.0, deadline - time.monotonic())) is None:
+            raise TrackingUnavailableError(
+                f"tracking proxy unreachable; {self.buffered().describe()} still buffered in "
+                "this process")
+        self._deliver_all(deadline)
+
+    def _take_batch(self) -> tuple[Batch, list[Path]] | None:
+        assert self._binding is not None
+        with self._lock:
+            buffer = self._buffer
+            if self._dropped > self._dropped_reported:
+                buffer.tags[DROPPED_TAG] = str(self._dropped)
+                self._dropped_reported = self._dropped
+            if buffer.empty():
+                return None
+            points = buffer.points[:self._batch_points]
+            rest = buffer.points[self._batch_points:]
+            logs: list[tuple[str, str]] = []
+            log_bytes = 0
+            while buffer.logs and (not logs or log_bytes + len(buffer.logs[0][1])
+                                   <= MAX_BATCH_LOG_BYTES):
+                logs.append(buffer.logs.pop(0))
+                log_bytes += len(logs[-1][1])
+            binding = self._binding
+            batch = Batch(
+                client_id=self._request.client_id, seq=self._seq, run_key=binding.run_key,
+                params_run_key=binding.params_run_key, points=points, params=buffer.params,
+                tags=buffer.tags, files=[ref for ref, _ in buffer.files],
+                inputs=buffer.inputs, logs=logs, rank_of=self._rank_of,
+            )
+            staged = [path for _, path in buffer.files]
+            self._buffer = _Buffer(
+                points=rest, logs=buffer.logs,
+                nbytes=len(rest) * POINT_BYTES + sum(len(text) for _, text in buffer.logs))
+            self._seq += 1
+            self._room.notify_all()
+            return batch, staged
+
+    def _deliver_all(self, deadline: float) -> None:
+        """Send until the buffer is empty; retry with backoff until ``deadline``.
+
+        One sender at a time: a caller waits for the flusher thread's retries only until its
+        own ``deadline`` (the flusher's is ``DELIVERY_TIMEOUT_S`` away), then fails with the
+        flusher's latest reason, as if it had tried itself.
+        """
+        if not self._send_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise TrackingUnavailableError(
+                f"tracking proxy did not take the data of run {self._request.run_key} "
+                f"({self._last_failure or 'another delivery still running'}); "
+                f"{self.buffered().describe()} still buffered in this process")
+        delay = 0.1
+        try:
+            while True:
+                try:
+                    if self._unacked is None:
+                        self._unacked = self._take_batch()
+                        if self._unacked is None:
+                            return
+                    batch, staged = self._unacked
+                    self._send(batch, staged, deadline)
+                    self._unacked = None
+                    for path in staged:
+                        shutil.rmtree(path.parent, ignore_errors=True)
+                    delay = 0.1
+                    self._warned_unavailable = False
+                    self._last_failure = ""
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
+                        ray.exceptions.RaySystemError, ray.exceptions.RayTaskError) as exc:
+                    reason = _reason(exc)
+                    self._last_failure = reason
+                    if time.monotonic() >= deadline or self._closed.is_set():
+                        raise TrackingUnavailableError(
+                            f"tracking proxy did not take the data of run "
+                            f"{self._request.run_key} ({reason}); "
+                            f"{self.buffered().describe()} still buffered in this process"
+                        ) from None
+                    if not self._warned_unavailable:
+                        self._warned_unavailable = True
+                        logger.warning("tracking proxy not taking data (%s); retrying", reason)
+                    time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                    delay = min(self._retry_max_s, delay * 2)
+                    self.reconnect()
+        finally:
+            self._send_lock.release()
+
+    def _send(self, batch: Batch, staged: list[Path], deadline: float) -> None:
+        shard = self.shard()
+        missing = {ref.upload_id for ref in batch.files}
+        while True:
+            for ref, path in zip(batch.files, staged, strict=True):
+                if ref.upload_id in missing:
+                    self._upload(shard, ref, path, deadline)
+            left = max(0.1, min(DELIVERY_TIMEOUT_S, deadline - time.monotonic()))
+            result = ray.get(shard.ingest.remote(batch), timeout=left)
+            if result.accepted:
+                return
+            missing = set(result.missing_uploads)
+
+    @staticmethod
+    def _upload(shard: Any, ref: FileRef, path: Path, deadline: float) -> None:
+        """Stream one staged file to the shard in chunks; resumes where the shard stands."""
+        offset = 0
+        with path.open("rb") as fh:
+            while True:
+                fh.seek(offset)
+                data = fh.read(UPLOAD_CHUNK_BYTES)
+                left = max(0.1, min(DELIVERY_TIMEOUT_S, deadline - time.monotonic()))
+                held = ray.get(shard.put_chunk.remote(ref.upload_id, offset, data), timeout=left)
+                if held >= ref.size:
+                    return
+                offset = held
+
+    def reconnect(self) -> None:
+        """Find the proxy again (Ray restarts it; if it was stopped, this recreates it)."""
+        if self._closed.is_set():
+            return
+        try:
+            self._router = get_router(self._settings)
+            binding = ray.get(self._router.attach.remote(self._request),
+                              timeout=ROUTER_CALL_TIMEOUT_S)
+            first = self._binding is None
+            self._bind(binding)
+            if first:
+                self._on_bound(binding)
+        except Exception as exc:
+            logger.debug("reconnect failed: %s", exc)
+
+    # --- background threads ---------------------------------------------------------------------
+    def _flush_forever(self) -> None:
+        while not self._closed.is_set():
+            self._wake.wait(self._flush_interval_s)
+            self._wake.clear()
+            if self._closed.is_set():
+                return
+            if self._binding is None and self.attach(ROUTER_CALL_TIMEOUT_S) is None:
+                self._closed.wait(self._retry_max_s)
+                continue
+            try:
+                self._collect()
+                self._deliver_all(time.monotonic() + DELIVERY_TIMEOUT_S)
+            except TrackingUnavailableError:
+                pass  # kept buffered; warned once by _deliver_all
+            except Exception:
+                logger.exception("tracking flusher failed; retrying")
+
+    def _heartbeat_forever(self) -> None:
+        """Tell the router this process lives. A thread of its own, so a slow delivery never
+        makes a live process look dead."""
+        while not self._closed.wait(self._heartbeat_interval_s):
+            try:
+                self._heartbeat()
+            except Exception as exc:
+                logger.debug("heartbeat failed: %s", exc)
+
+    def _heartbeat(self) -> None:
+        if self._router is None or self._binding is None:
+            return
+        previous = self._heartbeat_ref
+        if previous is not None:
+            ready, _ = ray.wait([previous], timeout=0)
+            if not ready:
+                return  # the last one has not been answered: do not pile up calls
+            try:
+                if ray.get(ready[0]):
+                    logger.info("router did not know this tracker (restarted?); re-attaching")
+                    self.reconnect()
+            except ray.exceptions.RayError:
+                self.reconnect()
+        self._heartbeat_ref = self._router.heartbeat.remote([self._request.client_id])
+
+    def detach(self, status: str, deadline: float) -> list[str]:
+        """Leave the run; returns the keys of runs this ended. Retries until ``deadline``
+        (the router presumes this process gone otherwise). A guest has nothing to leave."""
+        if self._request.guest:
+            return []
+        while True:
+            try:
+                ended: list[str] | None = ray.get(
+                    self._router.detach.remote(self._request.client_id, status),
+                    timeout=max(0.1, deadline - time.monotonic()))
+                if ended is not None:
+                    return ended
+                # A restarted router that has not heard from this process yet: attach again
+                # (as the heartbeat would), so that this detach can end the run.
+                if time.monotonic() >= deadline or self._closed.is_set():
+                    raise TrackingUnavailableError(
+                        f"tracking router lost this process's part in run "
+                        f"{self._request.run_key} and it could not attach again")
+                time.sleep(0.2)
+                self.reconnect()
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                if time.monotonic() >= deadline or self._closed.is_set():
+                    raise TrackingUnavailableError(
+                        f"tracking router did not take the end of this process's part in run "
+                        f"{self._request.run_key} ({type(exc).__name__})") from None
+                time.sleep(0.2)
+                self.reconnect()
+
+    def stop(self) -> None:
+        """Make the background threads, and any send or detach retrying, stop calling Ray at
+        their next check; returns at once. For a process that exits with data not handed over:
+        Ray's own exit hook shuts Ray down next, and a Ray call after that would start a new
+        local Ray inside the dying process."""
+        self._closed.set()
+        self._wake.set()
+
+    def close(self) -> None:
+        self.stop()
+        current = threading.current_thread()
+        for thread in (self._thread, self._heartbeat_thread):
+            if thread is not None and thread is not current:
+                thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(self._staging, ignore_errors=True)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(exc.cause,
+                                                                   TrackingSpoolFullError):
+        return str(exc.cause)
+    return type(exc).__name__

@@ -1,0 +1,468 @@
+"""The router: owns run membership for every tracker in the cluster.
+
+Owns: mapping run keys (a shared ``RAYDECK_RUN_ID``, a Ray Train run name, a generated key) to
+runs, knowing which processes take part in each run and which one is primary, deciding when a
+run ends (its primary finished and every other participant left; ``KILLED`` when its processes
+died), and stopping the proxy after a quiet period. Does not own: any MLflow write. Creating,
+reopening and ending a run are *entities* the router hands to the run's shard (:class:`OpenRun`,
+``end``, through :mod:`~raydeck.tracking.proxy.outbox`), which writes them in order with the run's
+data, when MLflow answers. So attaching works while MLflow is down or slow, and no MLflow call
+ever runs under the router's lock (a slow server never delays a heartbeat).
+
+State kept here is soft: a restarted router rebuilds a run from MLflow (the ``raydeck.run_key``
+tag) when a tracker re-attaches, and trackers re-attach when a heartbeat is not recognised.
+
+Rules:
+- Run key: explicit key > the Ray Train run name (when that name is bound to a run, or when the
+  job has exactly one run created by its driver, which then gets bound) > a new key.
+- Primary: the first driver/rank-0/trial process attached to a run with no live primary. A
+  restarted process (same ``role_key``) replaces its predecessor, primary role included.
+- End: when the primary has finished (its status is used) and no participant is left. A
+  primary that died ends its run ``KILLED``. A plain Tune trial's run ends with the outcome
+  Tune reported for it (``set_trial_outcome``), if Tune did before the trial's process left.
+- Guests (a process that only writes to a run by its id, ``AttachRequest.guest``) are not
+  participants: they get the run's binding and write through its shard, but never hold the run
+  open, reopen it or end it by leaving. A guest's explicit end (``end_unowned``) ends only a
+  run that no process holds.
+- Liveness, from Ray itself: a participant is gone when its Ray job ended, or when it is an
+  actor Ray reports dead. A participant whose heartbeats stopped is asked about after two missed
+  beats; one Ray cannot vouch for (a plain task) is presumed dead after ``lost_after_s`` of
+  silence. A heartbeat delayed by a slow MLflow cannot happen: nothing here waits for MLflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from raydeck._internal.redaction import redact_text
+from raydeck.config.settings import RUN_KEY_PATTERN
+from raydeck.errors import ConfigError
+from raydeck.tracking.messages import (
+    AttachRequest,
+    OpenRun,
+    ProcessInfo,
+    ProxyConfig,
+    RunBinding,
+)
+from raydeck.tracking.proxy.outbox import Control, Outbox, Sender
+from raydeck.tracking.proxy.run_lookup import Lookup, looks_like_run_id
+
+logger = logging.getLogger(__name__)
+
+REAP_INTERVAL_S = 1.0
+# A participant silent for this many heartbeat intervals is a suspect: Ray is asked about it.
+SUSPECT_AFTER_BEATS = 2.5
+RANK_TAGS = ("raydeck.rank", "raydeck.node", "raydeck.role")
+
+
+@dataclass
+class _Participant:
+    client_id: str
+    process: ProcessInfo
+    last_seen: float
+
+
+@dataclass
+class _Run:
+    key: str
+    name: str
+    experiment: str
+    mode: str
+    created_by_role: str
+    job_id: str | None
+    run_id: str = ""
+    existed: bool = False
+    params: dict[str, str] = field(default_factory=dict)
+    parent_key: str | None = None
+    needs_open: bool = True
+    primary: str | None = None
+    primary_status: str | None = None
+    # The client whose attach brought the run to this router; every later attach resumes it.
+    first_client: str | None = None
+    participants: dict[str, _Participant] = field(default_factory=dict)
+    children: dict[int, bool] = field(default_factory=dict)  # rank -> open in MLflow
+    samplers: dict[str, str] = field(default_factory=dict)
+    terminated: bool = False
+    # How a plain Tune trial ended, as Tune said (``set_trial_outcome``): the run's status when
+    # it ends after that (the trial's exit says FINISHED even when its function raised).
+    outcome: str | None = None
+
+
+# (every participant, those whose heartbeats stopped) -> role keys Ray says are gone.
+Liveness = Callable[[list[ProcessInfo], list[ProcessInfo]], set[str]]
+
+
+class RouterCore:
+    """The router's logic. MLflow lookups, shard calls and Ray queries are injected."""
+
+    def __init__(self, config: ProxyConfig, send: Sender, lookup: Callable[[str, str], Lookup],
+                 gone: Liveness) -> None:
+        self.config = config
+        self.outbox = Outbox(send)
+        self._lookup = lookup
+        self._gone = gone
+        self._lock = threading.RLock()
+        self._runs: dict[str, _Run] = {}
+        self._aliases: dict[str, str] = {}
+        self._by_client: dict[str, str] = {}
+        # Clients whose part end_run ended for them: their own detach has nothing left to do.
+        self._released: set[str] = set()
+        self._idle_since: float | None = time.monotonic()
+        self.active_runs = 0
+
+    # --- attach ------------------------------------------------------------------------------
+    def attach(self, request: AttachRequest) -> RunBinding:
+        """Bind a tracker to its run; the run is created or reopened by its shard, in order.
+
+        Never waits for MLflow longer than one fast lookup of a key this router does not know.
+
+        Raises:
+            ConfigError: a driver configured for another MLflow than this proxy writes to; a run
+                key that breaks the rules.
+        """
+        process = request.process
+        if process.role == "driver" and (
+            redact_text(request.tracking_uri) != redact_text(self.config.tracking_uri)
+        ):
+            raise ConfigError(
+                f"the tracking proxy in Ray namespace {self.config.namespace!r} writes to "
+                f"{redact_text(self.config.tracking_uri)}, but this process is configured for "
+                f"{redact_text(request.tracking_uri)}; run `raydeck tracking stop` first, or "
+                "set RAYDECK_RAY_NAMESPACE to run a second proxy"
+            )
+        with self._lock:
+            key = self._resolve_key(request)
+            run = self._runs.get(key)
+        if not RUN_KEY_PATTERN.match(key):
+            raise ConfigError(f"run id {key!r}: may hold 1-128 letters, digits, _ . - only")
+        if run is None:
+            found = self._lookup(key, request.experiment)
+            if found.known and not found.run_id and looks_like_run_id(key):
+                raise ConfigError(
+                    f"run id {key!r} looks like an MLflow run id, but MLflow at "
+                    f"{redact_text(self.config.tracking_uri)} has no such run; pass an existing "
+                    "run id, or a name of your own (letters, digits, _ . -) to create a shared "
+                    "run")
+            if request.guest:
+                # A guest of a run this router does not hold: nothing to join or open; the
+                # run's shard finds the run in MLflow for the guest's writes.
+                return self._guest_binding(_run_record(key, request, found), request)
+            with self._lock:
+                run = self._runs.get(key) or self._new_run(key, request, found)
+        with self._lock:
+            if request.guest:
+                return self._guest_binding(run, request)
+            if process.train_run_name and process.train_run_name != key:
+                self._aliases[process.train_run_name] = key
+            # Logging after the end reopens the run (the next finish ends it again), but a rank
+            # that stays silent in rank_zero mode never joins, so it must not reopen a run it
+            # would never end (a slow rank 1 attaching after rank 0 ended the run).
+            silent = run.mode == "rank_zero" and not process.is_primary_candidate
+            if run.terminated and not silent:
+                run.terminated = False
+                run.needs_open = True
+                run.primary = None
+                run.primary_status = None
+                run.outcome = None
+            controls = self._open_controls(run)
+            binding, child_open = self._join(run, request)
+            if child_open is not None:
+                controls.append(child_open)
+            self._idle_since = None
+        self.outbox.deliver(controls)
+        return binding
+
+    def _resolve_key(self, request: AttachRequest) -> str:
+        if request.run_key:
+            return request.run_key
+        train_name = request.process.train_run_name
+        if train_name:
+            if train_name in self._aliases:
+                return self._aliases[train_name]
+            if train_name in self._runs:
+                return train_name
+            driver_runs = [
+                run for run in self._runs.values()
+                if not run.terminated and run.created_by_role == "driver"
+                and run.job_id == request.process.job_id
+            ]
+            if len(driver_runs) == 1:
+                return driver_runs[0].key
+            return train_name
+        return f"run-{uuid.uuid4().hex[:12]}"
+
+    def _new_run(self, key: str, request: AttachRequest, found: Lookup) -> _Run:
+        run = self._runs[key] = _run_record(key, request, found)
+        return run
+
+    def _guest_binding(self, run: _Run, request: AttachRequest) -> RunBinding:
+        """A guest's binding: the run's, as a process that is not a participant sees it (a
+        silent rank of a ``rank_zero`` run writes nothing, as a participant would)."""
+        silent = run.mode == "rank_zero" and not request.process.is_primary_candidate
+        return self._binding(run, request, active=not silent)
+
+    def _open_controls(self, run: _Run) -> list[Control]:
+        if not run.needs_open:
+            return []
+        run.needs_open = False
+        tags = {"raydeck.created_by": run.created_by_role}
+        if run.job_id:
+            tags["raydeck.ray_job_id"] = run.job_id
+        spec = OpenRun(key=run.key, name=run.name, experiment=run.experiment,
+                       artifact_location=self.config.artifact_location, mode=run.mode,
+                       tags=tags, parent_key=run.parent_key)
+        return [Control(self.shard_of(run.key), run.key, "open", spec)]
+
+    def shard_of(self, root_key: str) -> int:
+        """A run, its per-rank children and all their data share one shard (order holds)."""
+        return zlib.crc32(root_key.encode()) % self.config.shards
+
+    def _join(self, run: _Run, request: AttachRequest) -> tuple[RunBinding, Control | None]:
+        process = request.process
+        now = time.monotonic()
+        if run.first_client is None:
+            run.first_client = request.client_id
+        for client_id, participant in list(run.participants.items()):
+            if participant.process.role_key == process.role_key and client_id != request.client_id:
+                self._drop(run, client_id, replaced=True)
+        if run.mode == "rank_zero" and not process.is_primary_candidate:
+            return self._binding(run, request, active=False), None
+        run.participants[request.client_id] = _Participant(request.client_id, process, now)
+        self._by_client[request.client_id] = run.key
+        if process.is_primary_candidate and (
+            run.primary is None or run.primary not in run.participants
+        ):
+            run.primary = request.client_id
+            run.primary_status = None
+        child_open = None
+        if run.mode == "per_rank" and process.world_rank is not None:
+            rank = process.world_rank
+            if not run.children.get(rank):
+                run.children[rank] = True
+                child_key = f"{run.key}.rank_{rank}"
+                spec = OpenRun(
+                    key=child_key, name=f"{run.name}-rank{rank}", experiment=run.experiment,
+                    artifact_location=self.config.artifact_location, mode=run.mode,
+                    tags=dict(zip(RANK_TAGS, (str(rank), process.node_ip, process.role),
+                                  strict=True)),
+                    parent_key=run.key)
+                child_open = Control(self.shard_of(run.key), child_key, "open", spec)
+        return self._binding(run, request, active=True), child_open
+
+    def _binding(self, run: _Run, request: AttachRequest, active: bool) -> RunBinding:
+        process = request.process
+        run_key = run.key
+        sample_system = False
+        if active and not request.guest:
+            if run.mode == "per_rank" and process.world_rank is not None:
+                run_key = f"{run.key}.rank_{process.world_rank}"
+            sampler = run.samplers.get(process.node_ip)
+            sample_system = sampler is None or sampler not in run.participants
+            if sample_system:
+                run.samplers[process.node_ip] = request.client_id
+        return RunBinding(
+            run_key=run_key, params_run_key=run.key,
+            run_id=run.run_id if run_key == run.key else "",
+            experiment=run.experiment, run_name=run.name, mode=run.mode,
+            shard_index=self.shard_of(run.key),
+            is_primary=run.primary == request.client_id,
+            # Created by this process only if its attach opened a run new to MLflow; every
+            # other attach (another process, or this run's process again after it left, as a
+            # restarted Tune trial does) resumes a run that exists or is being opened.
+            created=not run.existed and run.first_client == request.client_id,
+            resumed=run.existed or run.first_client != request.client_id,
+            sample_system=sample_system, active=active,
+            existing_params=dict(run.params),
+        )
+
+    # --- heartbeat / detach / end ------------------------------------------------------------
+    def heartbeat(self, client_ids: list[str]) -> list[str]:
+        """Mark clients alive; returns the ids this router does not know (they re-attach)."""
+        now = time.monotonic()
+        unknown = []
+        with self._lock:
+            for client_id in client_ids:
+                key = self._by_client.get(client_id)
+                run = self._runs.get(key) if key else None
+                if run is None or client_id not in run.participants:
+                    unknown.append(client_id)
+                else:
+                    run.participants[client_id].last_seen = now
+        return unknown
+
+    def detach(self, client_id: str, status: str) -> list[str] | None:
+        """A tracker left. The run ends only when its primary has and nobody is left.
+
+        Returns the keys of the runs this ended (the run, per-rank children), so the caller
+        can wait until their end is written; None when this router does not know the client
+        (it restarted since the client attached): the client attaches again, then detaches.
+        """
+        _check_status(status)
+        with self._lock:
+            key = self._by_client.get(client_id)
+            run = self._runs.get(key) if key else None
+            if run is None or client_id not in run.participants:
+                if client_id in self._released:
+                    self._released.discard(client_id)
+                    return []
+                return None
+            controls = self._drop(run, client_id, status=status)
+            controls += self._maybe_end(run)
+        self.outbox.deliver(controls)
+        return [c.run_key for c in controls if c.kind == "end"]
+
+    def end_run(self, key: str, status: str, tags: dict[str, str]) -> bool:
+        """End a run for a supervisor that knows better than its processes (Tune's scheduler).
+
+        Sets ``tags``, releases every participant and ends the run with ``status``. Returns
+        False if the router does not know the run.
+        """
+        _check_status(status)
+        with self._lock:
+            run = self._runs.get(key)
+            if run is None:
+                return False
+            controls = [Control(self.shard_of(run.key), run.key, "tags", dict(tags))]
+            for client_id in list(run.participants):
+                controls += self._drop(run, client_id, status=status)
+                self._released.add(client_id)
+            run.primary_status = status
+            controls += self._maybe_end(run)
+        self.outbox.deliver(controls)
+        return True
+
+    def end_unowned(self, key: str, status: str) -> list[str]:
+        """A guest's explicit end (``MlflowClient().set_terminated`` in a process that only
+        wrote to the run): ends the run with ``status`` only if no process holds it (no
+        participant, not ended here yet), as plain MLflow would; a run with participants is
+        ended by its primary, and an ended one is not ended twice. Returns the keys this
+        ended. The guest handed its writes to the shard first, so the end follows them.
+        """
+        _check_status(status)
+        with self._lock:
+            run = self._runs.get(key)
+            if run is not None:
+                if run.participants or run.terminated:
+                    return []
+                run.terminated = True
+                run.primary_status = status
+        self.outbox.deliver([Control(self.shard_of(key), key, "end", status)])
+        return [key]
+
+    def _drop(self, run: _Run, client_id: str, status: str = "KILLED",
+              replaced: bool = False) -> list[Control]:
+        participant = run.participants.pop(client_id)
+        self._by_client.pop(client_id, None)
+        controls = []
+        rank = participant.process.world_rank
+        if run.mode == "per_rank" and rank is not None and run.children.get(rank) and not replaced:
+            run.children[rank] = False
+            controls.append(Control(self.shard_of(run.key), f"{run.key}.rank_{rank}", "end",
+                                    status))
+        if run.primary == client_id:
+            run.primary = None
+            if not replaced:
+                run.primary_status = status
+        return controls
+
+    def set_trial_outcome(self, trial_id: str, status: str) -> list[str]:
+        """Tune's word on how a trial ended (FINISHED: its function returned or the scheduler
+        stopped it; FAILED: it raised), from the driver's Tune callback
+        (:mod:`raydeck.tracking.client.tune_outcome`). The runs that trial's process owns, still
+        open, that no sweep supervises (no parent run), end with ``status`` when the process leaves
+        or is gone: not ``KILLED`` because Tune killed the process before its exit handed the
+        run over, nor the ``FINISHED`` MLflow's exit hook gives a trial whose function raised.
+        The end still follows everything the process handed over. A run the trial function
+        ended itself (``mlflow.end_run()``) is ended already. Returns the keys it applies to.
+        """
+        _check_status(status)
+        keys = []
+        with self._lock:
+            for run in self._runs.values():
+                owner = run.participants.get(run.primary or "")
+                if (owner is not None and owner.process.trial_id == trial_id
+                        and run.parent_key is None and not run.terminated):
+                    run.outcome = status
+                    keys.append(run.key)
+        return keys
+
+    def _maybe_end(self, run: _Run) -> list[Control]:
+        if run.terminated or run.primary_status is None or run.participants:
+            return []
+        run.terminated = True
+        status = run.outcome or run.primary_status
+        logger.info("run %s ends as %s", run.key, status)
+        return [Control(self.shard_of(run.key), run.key, "end", status)]
+
+    # --- liveness ----------------------------------------------------------------------------
+    def reap(self) -> bool:
+        """Drop participants Ray says are gone; True when the proxy may stop (idle long enough)."""
+        now = time.monotonic()
+        with self._lock:
+            everyone = [p for run in self._runs.values() for p in run.participants.values()]
+        suspect_after_s = SUSPECT_AFTER_BEATS * self.config.heartbeat_interval_s
+        suspects = [p.process for p in everyone if now - p.last_seen > suspect_after_s]
+        gone = self._gone([p.process for p in everyone], suspects) if everyone else set()
+        controls: list[Control] = []
+        with self._lock:
+            for run in list(self._runs.values()):
+                for client_id, participant in list(run.participants.items()):
+                    silent_s = now - participant.last_seen
+                    dead = participant.process.role_key in gone
+                    lost = (silent_s > self.config.lost_after_s
+                            and participant.process.actor_id is None
+                            and participant.process.role != "driver")
+                    if dead or lost:
+                        logger.warning("run %s: %s (%s) %s; presumed dead", run.key,
+                                       participant.process.role_key, client_id,
+                                       "is gone (Ray)" if dead else "went silent")
+                        controls += self._drop(run, client_id, status="KILLED")
+                controls += self._maybe_end(run)
+            active = sum(1 for run in self._runs.values() if not run.terminated)
+            self.active_runs = active
+            if active:
+                self._idle_since = None
+            elif self._idle_since is None:
+                self._idle_since = now
+            idle = self._idle_since is not None and now - self._idle_since > (
+                self.config.idle_timeout_s)
+        self.outbox.deliver(controls)
+        self.outbox.retry()
+        return idle and not self.outbox.size()
+
+    def status(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [
+                {
+                    "key": run.key, "run_id": run.run_id, "name": run.name, "mode": run.mode,
+                    "participants": len(run.participants),
+                    "primary": run.participants[run.primary].process.role_key
+                    if run.primary in run.participants else "",
+                    "state": "ended" if run.terminated else "active",
+                }
+                for run in self._runs.values()
+            ]
+
+
+def _run_record(key: str, request: AttachRequest, found: Lookup) -> _Run:
+    """The router's record of a run it did not hold, from what MLflow said about ``key``."""
+    existed = found.known and bool(found.run_id)
+    return _Run(
+        key=key, name=(found.name if existed else "") or request.run_name or key,
+        experiment=request.experiment, mode=(found.mode if existed else "") or request.mode,
+        created_by_role=request.process.role, job_id=request.process.job_id,
+        run_id=found.run_id, existed=existed, params=dict(found.params),
+        parent_key=request.parent_key,
+    )
+
+
+def _check_status(status: str) -> None:
+    if status not in ("FINISHED", "FAILED", "KILLED"):
+        raise ConfigError(f"status={status!r}: must be FINISHED, FAILED or KILLED")
