@@ -20,7 +20,7 @@ Every logged step is recorded by its host in a progress file (one line per rank 
 written as the log call starts), so the counts hold when a node is removed while its ranks
 log (``--until-stopped``: the ranks log until a line ``stop`` arrives on stdin): a dead rank's
 landed points are a prefix of its steps, the rest went down with its process, and its run ends
-KILLED (``tests/test_tracking_scale.py``).
+KILLED (``tests/tracking/test_tracking_scale.py``).
 
 Run: ``.venv/bin/python benchmarks/tracking_scale.py [--ranks 256 --worker-nodes 2
 --ranks-per-host 32 --ranks-per-run 64 --metrics 10 --step-interval 1 --steps 60]``, or against

@@ -106,7 +106,7 @@ HEAVIEST_MODULES = (
 )
 
 # A stack someone started on this machine (`raydeck up`) must not become the suite's MLflow, S3
-# or Ray: its connection file is read by every raydeck process (tests/test_stack.py points
+# or Ray: its connection file is read by every raydeck process (tests/stack/test_stack.py points
 # its own processes at its own file).
 os.environ["RAYDECK_STACK_FILE"] = ""
 # Likewise a tracking server the developer's shell names (raydeck uses MLflow's variable when

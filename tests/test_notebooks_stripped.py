@@ -1,5 +1,6 @@
 """The notebooks in the repository carry no outputs: diffs stay readable and nothing a run
-printed (paths, run ids, a token in a traceback) is committed. tests/test_stack.py runs them."""
+printed (paths, run ids, a token in a traceback) is committed. tests/stack/test_stack.py runs
+them."""
 
 from __future__ import annotations
 

@@ -50,7 +50,7 @@ HAPROXY_RETRY_POLICY = "conn-failure empty-response junk-response"
 # HAProxy reads the body first (up to its 16 KiB buffer; a larger body is sent as it comes and
 # not resent). Ray 2.60 has no setting for it, but writes this variable as it is into the
 # ``retry-on`` line of its HAProxy ``defaults`` section, so the option goes on a line of its own
-# after the policy (``tests/test_serving.py`` checks the config a running HAProxy reads).
+# after the policy (``tests/serving/test_serving.py`` checks the config a running HAProxy reads).
 HAPROXY_RETRY_ENV = "RAY_SERVE_HAPROXY_RETRY_ON"
 HAPROXY_BUFFER_REQUEST = "option http-buffer-request"
 HAPROXY_RETRY_ON = f"{HAPROXY_RETRY_POLICY}\n    {HAPROXY_BUFFER_REQUEST}"

@@ -6,7 +6,7 @@ a Ray head with token authentication, Prometheus with raydeck's rules, and Jupyt
 module is what they share: each local service names its twin in the compose file, its ports
 (the compose containers' ports, which are also the local defaults), what it starts after (the
 compose file's ``depends_on``) and how its environment differs from the container's, if at all.
-``tests/test_stack_definition.py`` parses the compose file and fails when the two disagree: a
+``tests/stack/test_stack_definition.py`` parses the compose file and fails when the two disagree: a
 service added to one and not the other, a port or a start order that differs, or an
 environment variable one side sets and the other does not.
 

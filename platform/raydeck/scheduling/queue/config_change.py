@@ -4,7 +4,7 @@ command, before anything reaches the queue's actor, and again in the actor.
 Owns: :class:`ConfigChange` and :func:`parse_thresholds` (``--thresholds``). Apart from the
 queue's configuration (:mod:`raydeck.scheduling.queue.configuration`) because the commands import
 it: that module reads the queue's database, and importing SQLAlchemy was half a CPU second of
-every queue command (``tests/test_queue_client_imports.py``).
+every queue command (``tests/scheduling/test_queue_client_imports.py``).
 """
 
 from __future__ import annotations

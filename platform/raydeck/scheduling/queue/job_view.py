@@ -3,7 +3,7 @@
 Its own module, apart from :mod:`raydeck.scheduling.queue.store` (the SQLAlchemy tables), because
 the queue's answers carry it to every ``raydeck queue``, ``raydeck submit --queue`` and ``raydeck
 cancel``: unpickling it there must not import SQLAlchemy, which is half a CPU second of each
-such command (tests/test_queue_client_imports.py).
+such command (tests/scheduling/test_queue_client_imports.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ from typing import Any
 
 # MLflow's own limits (``mlflow.utils.validation``), written out rather than imported: importing
 # any part of mlflow costs every training process about 2 CPU-s, and only the proxy's shards
-# talk to MLflow. tests/test_tracking_validation.py checks them against the installed MLflow.
+# talk to MLflow. tests/tracking/test_tracking_validation.py checks them against the installed
+# MLflow.
 MAX_ENTITY_KEY_LENGTH = 250
 MAX_PARAM_VAL_LENGTH = 6000
 MAX_TAG_VAL_LENGTH = 8000
