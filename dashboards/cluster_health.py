@@ -81,8 +81,8 @@ nodes_row = Row("Nodes", (
         f"avg by ({PER_NODE}, GpuIndex) ({selector('ray_node_gpus_utilization', *ON_NODE)})",
         "{{instance}} GPU {{GpuIndex}}"),), unit="percent", empty_ok=GPU,
         description="Per GPU, from Ray's node metrics; GpuIndex is the NVML index, the <i> of "
-                    "system/<node>/gpu_<i>/ in a run's MLflow metrics. Low while a job holds "
-                    "the GPU: the input pipeline is the bottleneck."),
+                    "system/<node>/gpu_<i>_<reading> in a run's MLflow metrics. Low while a job "
+                    "holds the GPU: the input pipeline is the bottleneck."),
     Panel("GPU memory used", (Target(
         _ratio_percent("ray_node_gram_used", "ray_node_gram_available", f"{PER_NODE}, GpuIndex"),
         "{{instance}} GPU {{GpuIndex}}"),), unit="percent", thresholds=(Threshold(95, "red"),),

@@ -43,8 +43,8 @@ def main() -> None:
         scheduler=args.scheduler, preset=args.preset, register_model_as=args.register_as or None,
     )
     result = sweep(digits_sweep_job(), SearchSpace.from_yaml(SPACE), config, resume=args.resume)
-    logging.info("best trial %s: val_accuracy %.4f, config %s; sweep run %s; model %s",
-                 result.best_trial_id, result.best_score, result.best_config,
+    logging.info("best trial %s: %s %.4f, config %s; sweep run %s; model %s",
+                 result.best_trial_id, result.best_metric, result.best_score, result.best_config,
                  result.parent_run_id, result.registered_model_uri)
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from raydeck._internal.pytorch_flavor import import_pytorch_flavor
-from raydeck.errors import ConfigError
+from raydeck.errors import ConfigError, StorageError
 
 MODEL_ARTIFACT_PATH = "model"
 RUN_TAG = "raydeck.run_id"
@@ -142,6 +142,7 @@ def resolve_model_uri(uri: str, tracking_uri: str) -> ModelRef:
     Raises:
         ConfigError: a malformed URI, or a model, version, alias or run that does not exist
             (one line naming it and the forms accepted).
+        StorageError: a ``runs:/`` URI whose run's artifacts this process cannot read.
     """
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
@@ -156,8 +157,8 @@ def resolve_model_uri(uri: str, tracking_uri: str) -> ModelRef:
             return ModelRef(uri, name, str(version.version), alias, version.run_id)
         if runs:
             run_id, path = runs.group("run_id"), runs.group("path").strip("/")
-            client.get_run(run_id)
-            files = {Path(a.path).name for a in client.list_artifacts(run_id, path)}
+            run = client.get_run(run_id)
+            files = {Path(a.path).name for a in _list_artifacts(client, run, path)}
             if "MLmodel" not in files:
                 raise ConfigError(f"model URI {uri!r}: run {run_id} has no MLflow model at "
                                   f"{path!r}; use {URI_FORMS}")
@@ -167,6 +168,30 @@ def resolve_model_uri(uri: str, tracking_uri: str) -> ModelRef:
         raise ConfigError(f"model URI {uri!r} does not exist ({first}); "
                           "`raydeck models list` shows the registered models") from None
     raise ConfigError(f"model URI {uri!r} is not one of {URI_FORMS}")
+
+
+def _list_artifacts(client: Any, run: Any, path: str) -> list[Any]:
+    """The run's artifacts under ``path``.
+
+    Raises:
+        StorageError: the run's artifact store cannot be read from this process (no or wrong
+            S3 credentials, an unreachable endpoint): one line with the store and the fix,
+            instead of the storage library's traceback.
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return list(client.list_artifacts(run.info.run_id, path))
+    except MlflowException:
+        raise
+    except Exception as exc:
+        first = (str(exc).splitlines() or [""])[0]
+        raise StorageError(
+            f"cannot read the artifacts of run {run.info.run_id} at {run.info.artifact_uri} "
+            f"({type(exc).__name__}: {first}); this process needs the artifact store's "
+            "credentials: set [storage] in raydeck.toml or RAYDECK_S3_* (the machine that ran "
+            "`raydeck up` has them), or serve artifacts through the MLflow server "
+            "(`mlflow server --serve-artifacts`)") from None
 
 
 def register_run_model(tracking_uri: str, run_id: str, name: str,

@@ -45,7 +45,8 @@ def test_secret_names(name: str) -> None:
     "AWS_ACCESS_KEY_ID", "RAYDECK_S3_ACCESS_KEY_ID", "B2_APPLICATION_KEY_ID", "RAY_AUTH_MODE",
     "RAY_AUTH_TOKEN_PATH", "AWS_SECRET_ACCESS_KEY_FILE", "TOKENIZERS_PARALLELISM", "PWD",
     "OLDPWD", "RAYDECK_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "OAUTH_TOKEN_URL", "PATH",
-    "key", "Key", "signature",
+    "key", "Key", "signature", "NoCredentialsError", "PartialCredentialsError",
+    "InvalidTokenException", "TokenExpiredWarning",
 ])
 def test_names_that_are_not_secret(name: str) -> None:
     assert not is_secret_name(name)
@@ -108,6 +109,11 @@ def test_text_loses_user_info_secret_assignments_and_known_values() -> None:
     ("http://host:5000/users/@me", "http://host:5000/users/@me"),
     ("at 12:30 the run ended: status FINISHED", "at 12:30 the run ended: status FINISHED"),
     ("error: token expired", "error: token expired"),
+    # An exception as Python prints it: its message is shown, whatever its class is called.
+    ("NoCredentialsError: Unable to locate credentials",
+     "NoCredentialsError: Unable to locate credentials"),
+    ("botocore.exceptions.PartialCredentialsError: Partial credentials found in env",
+     "botocore.exceptions.PartialCredentialsError: Partial credentials found in env"),
 ])
 def test_every_secret_form_is_masked(text: str, shown: str) -> None:
     assert redact_text(text, secrets=()) == shown

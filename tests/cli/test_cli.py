@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+import pty
+import re
+import select
+import struct
 import subprocess
 import sys
+import termios
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +147,73 @@ def test_a_command_that_used_ray_ends_after_every_exit_hook_with_its_exit_code(
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 3, result.stdout + result.stderr
     assert result.stdout.splitlines() == ["worked False", "exit hook ran"], result.stderr
+
+
+# --- tables: what a user copies is never cut --------------------------------------------------
+ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
+
+
+def _raydeck_in_a_terminal(*args: str, cwd: Path, columns: int, timeout: float = 60) -> str:
+    """``raydeck ARGS`` with its output on a terminal (a pseudo-terminal ``columns`` wide), as
+    a user sees it; its text without colours."""
+    clean = {k: v for k, v in os.environ.items()
+             if not k.startswith("RAYDECK_") and k != "RAY_ADDRESS"}
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 50, columns, 0, 0))
+    proc = subprocess.Popen([sys.executable, "-m", "raydeck.cli", *args], cwd=cwd,
+                            env={**clean, "COLUMNS": str(columns), "NO_COLOR": "1"},
+                            stdin=follower, stdout=follower, stderr=follower)
+    os.close(follower)
+    out = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([leader], [], [], deadline - time.monotonic())
+            try:
+                chunk = os.read(leader, 65536) if ready else b""
+            except OSError:  # EIO: the command closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert proc.wait(timeout=max(deadline - time.monotonic(), 1)) == 0, out.decode()
+    finally:
+        os.close(leader)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return ANSI_ESCAPE.sub("", out.decode()).replace("\r\n", "\n")
+
+
+@pytest.mark.timeout(120)
+def test_presets_names_are_whole_in_a_pipe_in_a_terminal_of_80_or_120_columns_and_as_json(
+        tmp_path: Path) -> None:
+    """Issue 51: `raydeck presets` showed `gpu-s…` three times at 80 columns. A preset name is
+    never cut: in a pipe each row is one line whatever COLUMNS says; a terminal too narrow for
+    the table gets one block per preset, each line within its width; a wider one the table."""
+    from raydeck.train.presets import load_presets
+
+    presets = load_presets(None)
+    piped = _raydeck("presets", cwd=tmp_path, env={"COLUMNS": "80"})
+    assert piped.returncode == 0, piped.stderr
+    for preset in presets.values():
+        (row,) = [line for line in piped.stdout.splitlines() if f"│ {preset.name} " in line]
+        assert preset.description in row and preset.placement_strategy in row, row
+
+    narrow = _raydeck_in_a_terminal("presets", cwd=tmp_path, columns=80)
+    assert max(len(line) for line in narrow.splitlines()) <= 80, narrow
+    shown = re.findall(r"^name +(\S+)$", narrow, flags=re.MULTILINE)
+    assert shown == sorted(presets), narrow
+
+    table = _raydeck_in_a_terminal("presets", cwd=tmp_path, columns=120)
+    assert max(len(line) for line in table.splitlines()) <= 120, table
+    shown = [line.split("│")[1].strip() for line in table.splitlines()
+             if line.startswith("│") and line.split("│")[1].strip()]
+    assert shown == sorted(presets), table
+
+    as_json = _raydeck("presets", "--json", cwd=tmp_path)
+    assert as_json.returncode == 0, as_json.stderr
+    rows = json.loads(as_json.stdout)
+    assert [row["name"] for row in rows] == sorted(presets)
+    assert {row["name"]: row["placement_strategy"] for row in rows} == {
+        name: preset.placement_strategy for name, preset in presets.items()}

@@ -42,6 +42,7 @@ def test_env_overrides_toml_and_toml_overrides_defaults(tmp_path: Path) -> None:
         ({"RAYDECK_TRACKING_SHARDS": "two"}, "RAYDECK_TRACKING_SHARDS"),
         ({"RAYDECK_TRACKING_MODE": "everyone"}, "RAYDECK_TRACKING_MODE"),
         ({"RAYDECK_TRACKING_CAPTURE_LOGS": "maybe"}, "RAYDECK_TRACKING_CAPTURE_LOGS"),
+        ({"RAYDECK_TRACKING_SYSTEM_METRICS": "sometimes"}, "RAYDECK_TRACKING_SYSTEM_METRICS"),
         # MLflow reads its request timeout as whole seconds.
         ({"RAYDECK_TRACKING_MLFLOW_TIMEOUT_S": "0.5"}, "RAYDECK_TRACKING_MLFLOW_TIMEOUT_S"),
         ({"RAYDECK_TRACKING_MLFLOW_TIMEOUT_S": "0"}, "RAYDECK_TRACKING_MLFLOW_TIMEOUT_S"),
@@ -151,6 +152,20 @@ def test_credentials_in_mlflow_tracking_uri_stay_out_of_errors_and_runtime_envs(
     with pytest.raises(ConfigError) as excinfo:
         load_settings(env={"MLFLOW_TRACKING_URI": f"file://bob:{password}@h/x"})
     assert password not in str(excinfo.value)
+
+
+def test_a_runs_mlflow_link_names_its_server_without_credentials() -> None:
+    from raydeck.config.tracking_uri import run_page, run_url, ui_command
+
+    assert run_url("http://bob:pw@m:5000/", "3", "abc") == (
+        "http://m:5000/#/experiments/3/runs/abc")
+    assert run_url("raydeck+https://m", "3", "abc") == "https://m/#/experiments/3/runs/abc"
+    # A database store has a UI only once `mlflow ui` serves it; a link inside the UI works on
+    # whichever address the UI has.
+    assert run_url("sqlite:////tmp/m.db", "3", "abc") == ""
+    assert run_page("3", "abc") == "#/experiments/3/runs/abc"
+    assert ui_command("raydeck+postgresql://bob:pw@db/mlflow") == (
+        "mlflow ui --backend-store-uri postgresql://db/mlflow --port 5000")
 
 
 def test_raydeck_config_says_where_the_tracking_uri_came_from(tmp_path: Path) -> None:

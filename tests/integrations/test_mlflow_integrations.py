@@ -5,7 +5,8 @@ metrics and model), Ray Tune's ``MLflowLoggerCallback`` and ``setup_mlflow`` in 
 and ``MlflowClient().log_batch`` from Ray actors. A plain ``mlflow.log_metric`` loop
 (``jobs/mlflow_loop.py``) while its MLflow server is SIGKILLed runs as a ``ray job submit``
 driver in tests/jobs/test_jobs.py. Every metric, param and tag lands once at its step, each run ends
-with the right status, and no stray run appears (counted through MLflow's REST API). The
+with the right status, no stray run appears (counted through MLflow's REST API), and, MLflow's
+system-metrics switch being off, no ``system/`` metric is added. The
 integrations' code is in :mod:`tests.fixtures.mlflow_integrations`.
 """
 
@@ -42,6 +43,12 @@ def _runs(client: Any, experiment: str) -> list[Any]:
 
 def _assert_once_each(client: Any, run_id: str, key: str, steps: list[int]) -> None:
     assert metric_steps(client, run_id, key) == steps, key
+
+
+def _assert_no_system_metrics(client: Any, run_id: str) -> None:
+    """As plain MLflow: MLflow's switch (MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING) is off."""
+    system = [k for k in client.get_run(run_id).data.metrics if k.startswith("system/")]
+    assert system == [], system
 
 
 @pytest.mark.timeout(600)
@@ -102,6 +109,7 @@ def test_lightning_mlflow_logger_in_a_ray_train_job_keeps_every_step_while_mlflo
                       [steps_per_epoch * (e + 1) - 1 for e in range(epochs)])
     assert run.data.params["lr"] == str(integrations.LEARNING_RATE)
     assert run.data.tags["raydeck.run_key"] == experiment
+    _assert_no_system_metrics(client, run_id)
     print(f"\nLightning with MLflow killed: down {down_s:.1f} s while rank 0 trained steps "
           f"{integrations.PAUSE_AT_STEP + 1}-{steps_per_epoch * epochs - 1}")
 
@@ -137,6 +145,7 @@ def test_tune_mlflow_callback_and_setup_mlflow_in_an_asha_sweep(
                           list(range(1, iterations + 1)))
         assert callback_run.data.params["lr"] == str(trial["lr"])
         assert callback_run.info.status == "FINISHED"
+        _assert_no_system_metrics(mlflow_client, callback_run.info.run_id)
         trial_run, = (r for r in runs if r.data.tags.get("raydeck.created_by") == "trial"
                       and r.data.params["lr"] == str(trial["lr"]))
         _assert_once_each(mlflow_client, trial_run.info.run_id, "trial_loss",
@@ -147,6 +156,7 @@ def test_tune_mlflow_callback_and_setup_mlflow_in_an_asha_sweep(
         wait_until(lambda r=trial_run: mlflow_client.get_run(r.info.run_id).info.status
                    != "RUNNING", RUN_END_TIMEOUT_S, "the trial's run to end")
         assert mlflow_client.get_run(trial_run.info.run_id).info.status == "FINISHED"
+        _assert_no_system_metrics(mlflow_client, trial_run.info.run_id)
 
 
 @pytest.mark.timeout(120)
@@ -179,6 +189,7 @@ def test_mlflow_client_log_batch_from_ray_actors_lands_once(
                    >= integrations.ACTOR_STEPS, RUN_END_TIMEOUT_S, "the late write to land")
         _assert_once_each(mlflow_client, run_id, "late", list(range(integrations.ACTOR_STEPS)))
         assert mlflow_client.get_run(run_id).info.status == "FINISHED"
+        _assert_no_system_metrics(mlflow_client, run_id)
     finally:
         for actor in actors:
             ray.kill(actor)

@@ -7,6 +7,7 @@ Counts are read back through the real MLflow server's REST API (the session's se
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from pathlib import Path
@@ -16,15 +17,22 @@ import pytest
 
 from raydeck.config.settings import load_settings
 from raydeck.config.tracking_uri import unwrap_tracking_uri
+from raydeck.errors import ConfigError
 from raydeck.tracking.messages import AttachRequest, ProcessInfo, ProxyConfig
 from raydeck.tracking.proxy.outbox import Control
 from raydeck.tracking.proxy.router import RouterCore
 from raydeck.tracking.proxy.run_lookup import Lookup
 from tests.fixtures.mlflow_server import MlflowServer
+from tests.fixtures.processes import wait_until
 from tests.fixtures.tracking import driver_process, metric_steps, read_line_with
 
 STEPS = 40
 KEYS = ("loss", "acc", "lr")
+# The names MLflow's own monitors give a node's system metrics (CPU, disk, network).
+MLFLOW_SYSTEM_METRICS = (
+    "cpu_utilization_percentage", "system_memory_usage_megabytes",
+    "system_memory_usage_percentage", "disk_usage_megabytes", "disk_usage_percentage",
+    "disk_available_megabytes", "network_receive_megabytes", "network_transmit_megabytes")
 
 
 def _all_runs(client: Any) -> list[Any]:
@@ -117,6 +125,109 @@ def test_bad_input_raises_mlflows_own_exception_at_the_call_site(
     assert run.data.params == {"lr": "0.1"}
     assert metric_steps(mlflow_client, run_id, "good") == [3]
     assert "bad key!" not in run.data.metrics
+
+
+def test_plugin_runs_sample_system_metrics_only_when_mlflow_or_raydeck_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    base = load_settings({})
+
+    def settings(policy: str, interval_s: float = 10.0) -> Any:
+        return dataclasses.replace(base, tracking=dataclasses.replace(
+            base.tracking, system_metrics=policy, system_metrics_interval_s=interval_s))
+
+    import mlflow
+
+    # Imported after MLflow, which loads the plugin (its entry point) as it starts.
+    from raydeck.integrations.mlflow_runs import system_metrics_interval_s
+
+    monkeypatch.setenv("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "false")
+    monkeypatch.delenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", raising=False)
+    assert system_metrics_interval_s(settings("auto")) == 0  # as plain MLflow: none
+    assert system_metrics_interval_s(settings("on")) == 10.0
+    mlflow.enable_system_metrics_logging()  # MLflow's own switch
+    assert system_metrics_interval_s(settings("auto")) == 10.0
+    assert system_metrics_interval_s(settings("off")) == 0
+    assert system_metrics_interval_s(settings("auto", interval_s=0)) == 0
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "0.5")  # MLflow's period
+    assert system_metrics_interval_s(settings("auto")) == 0.5
+    assert system_metrics_interval_s(settings("on", interval_s=2.0)) == 2.0
+    for variable, value in (("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "-1"),
+                            ("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "fast"),
+                            ("MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING", "yes")):
+        with monkeypatch.context() as bad:
+            bad.setenv(variable, value)
+            with pytest.raises(ConfigError, match=variable):
+                system_metrics_interval_s(settings("auto"))
+
+
+def _system_metrics_driver(experiment: str) -> str:
+    """Two runs made with ``MlflowClient`` (as Lightning's logger and Tune's callback make
+    theirs), the first before MLflow's switch is on, the second after; both held open until
+    the test writes a line."""
+    return f"""
+        import mlflow
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient()
+        experiment_id = client.create_experiment("{experiment}")
+        off = client.create_run(experiment_id, run_name="switch-off").info.run_id
+        mlflow.enable_system_metrics_logging()
+        on = client.create_run(experiment_id, run_name="switch-on").info.run_id
+        for run_id in (off, on):
+            client.log_metric(run_id, "loss", 0.5, step=0)
+        print("RUNS", off, on, flush=True)
+        input()
+        for run_id in (off, on):
+            client.set_terminated(run_id)
+        print("ENDED", flush=True)
+        """
+
+
+@pytest.mark.timeout(150)
+def test_system_metrics_only_when_asked_under_mlflows_names_per_node(
+        ray_cluster: None, mlflow_server: MlflowServer, mlflow_client: Any) -> None:
+    """MLflow's switch off: no ``system/`` metric, as plain MLflow. On (the second run), or
+    ``RAYDECK_TRACKING_SYSTEM_METRICS=on`` (both runs of a second driver): MLflow's names under
+    ``system/<node ip>/``, at steps 0, 1, ... as MLflow's monitor logs them."""
+    import ray
+
+    name = f"system-metrics-{uuid.uuid4().hex[:6]}"
+    uri = f"raydeck+{mlflow_server.uri}"
+    by_mlflow = driver_process(_system_metrics_driver(f"{name}-mlflow"), env={
+        "MLFLOW_TRACKING_URI": uri, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+        "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.5"})
+    by_raydeck = driver_process(_system_metrics_driver(f"{name}-raydeck"), env={
+        "MLFLOW_TRACKING_URI": uri, "MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING": "false",
+        "RAYDECK_TRACKING_SYSTEM_METRICS": "on",
+        "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S": "0.5"})
+    node = ray.util.get_node_ip_address()
+    cpu = f"system/{node}/cpu_utilization_percentage"
+    try:
+        off, on = read_line_with(by_mlflow, "RUNS").split()
+        raydeck_off, raydeck_on = read_line_with(by_raydeck, "RUNS").split()
+        sampled = (on, raydeck_off, raydeck_on)
+        # The switched-off run is open in the same process all the while its sibling is
+        # sampled: had it a sampler, it would have sampled at the same moments.
+        wait_until(lambda: all(len(metric_steps(mlflow_client, run_id, cpu)) >= 2
+                               for run_id in sampled), 90, "two samples in each sampled run",
+                   interval_s=0.5)
+        for proc in (by_mlflow, by_raydeck):
+            assert proc.stdin is not None
+            proc.stdin.write("\n")
+            proc.stdin.flush()
+        for proc in (by_mlflow, by_raydeck):
+            read_line_with(proc, "ENDED")
+            assert proc.wait(timeout=60) == 0
+    finally:
+        by_mlflow.kill()
+        by_raydeck.kill()
+    assert not [k for k in mlflow_client.get_run(off).data.metrics if k.startswith("system/")]
+    for run_id in sampled:
+        system = {k for k in mlflow_client.get_run(run_id).data.metrics
+                  if k.startswith("system/")}
+        assert {f"system/{node}/{metric}" for metric in MLFLOW_SYSTEM_METRICS} <= system
+        assert all(k.startswith(f"system/{node}/") for k in system), system
+        assert metric_steps(mlflow_client, run_id, cpu)[:2] == [0, 1]
 
 
 def _rank_calls_start_run(config: dict[str, Any]) -> None:

@@ -438,6 +438,82 @@ def test_ray_address_in_its_ray_client_form_reaches_the_heads_job_server(
     listed = _raydeck("jobs", env=env, timeout=120)
     assert listed.returncode == 0, listed.stdout[-3000:] + listed.stderr[-3000:]
     assert submission_id in listed.stdout, listed.stdout
+    # A command's driver through Ray Client, which takes ray.init's arguments as JSON (so no
+    # job config marking it as raydeck's command): it connects all the same.
+    status = _raydeck("status", env={**env, "RAYDECK_RAY_ADDRESS": ray_head.client_address},
+                      timeout=120)
+    assert "Ray node" in status.stdout, status.stdout[-3000:] + status.stderr[-3000:]
+
+
+# A user's own training script: a driver that connects with ray.init (Ray lists it as a job of
+# type DRIVER, as it lists every process that connects).
+USER_DRIVER_SCRIPT = """
+import ray
+ray.init()
+print(ray.get_runtime_context().get_job_id())
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_raydeck_jobs_lists_submissions_never_raydecks_own_commands_and_cuts_no_run_url(
+    ray_head: RayHead, mlflow_client: Any, tmp_path: Path
+) -> None:
+    """Issue 51: `raydeck jobs` listed `raydeck status`/`queue`/`cancel` calls as SUCCEEDED
+    jobs (Ray lists every driver as a job), and cut the MLflow run's URL. A submission is
+    listed with its whole run URL at 80 columns in a pipe; a command's driver never, even with
+    --drivers, which adds a user's own ray.init script."""
+    from raydeck.jobs.submission import METADATA_KIND, METADATA_RUN_ID
+
+    experiment = f"jobs-listing-{uuid.uuid4().hex[:6]}"
+    env = {**_clean_env(), **ray_head.client_env,
+           "RAYDECK_TRACKING_URI": ray_head.env["RAYDECK_TRACKING_URI"],
+           "RAYDECK_TRACKING_EXPERIMENT": experiment,
+           "RAYDECK_DATA_DIR": ray_head.env["RAYDECK_DATA_DIR"],
+           "RAYDECK_RAY_ADDRESS": ray_head.gcs_address, "COLUMNS": "80"}
+    client = _client(ray_head)
+    before = {job.job_id for job in client.list_jobs()}
+    status = _raydeck("status", env=env, timeout=120)
+    assert "Ray node" in status.stdout, status.stdout[-3000:] + status.stderr[-3000:]
+    # Ray lists the command's driver as a job, marked as raydeck's command.
+    (command,) = [job for job in client.list_jobs() if job.job_id not in before]
+    assert command.type.value == "DRIVER", command
+    assert (command.metadata or {}).get(METADATA_KIND) == "command", command.metadata
+    script = tmp_path / f"train_{uuid.uuid4().hex[:8]}.py"
+    script.write_text(USER_DRIVER_SCRIPT)
+    user = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env={**env, "RAY_ADDRESS": ray_head.gcs_address}, timeout=120)
+    assert user.returncode == 0, user.stderr[-3000:]
+    user_job_id = user.stdout.split()[-1]
+
+    run_key = f"listed-{uuid.uuid4().hex[:8]}"
+    run = mlflow_client.create_run(mlflow_client.create_experiment(experiment),
+                                   tags={"raydeck.run_key": run_key})
+    url = (f"{env['RAYDECK_TRACKING_URI']}/#/experiments/{run.info.experiment_id}/runs/"
+           f"{run.info.run_id}")
+    submission_id = f"raydeck-{run_key}"
+    client.submit_job(entrypoint="python -c pass", submission_id=submission_id,
+                      metadata={METADATA_KIND: "job", METADATA_RUN_ID: run_key})
+
+    listed = _raydeck("jobs", env=env, timeout=120)
+    assert listed.returncode == 0, listed.stdout[-3000:] + listed.stderr[-3000:]
+    (row,) = [line for line in listed.stdout.splitlines() if f" {submission_id} " in line]
+    assert f" {url} " in row, listed.stdout
+    assert script.name not in listed.stdout, listed.stdout
+
+    with_drivers = _raydeck("jobs", "--drivers", "--json", env=env, timeout=120)
+    assert with_drivers.returncode == 0, with_drivers.stderr[-3000:]
+    rows = {row["id"]: row for row in json.loads(with_drivers.stdout)}
+    assert rows[submission_id]["type"] == "SUBMISSION"
+    assert rows[submission_id]["mlflow_run_url"] == url
+    assert rows[submission_id]["mlflow_run_id"] == run.info.run_id
+    assert rows[user_job_id]["type"] == "DRIVER"
+    assert script.name in rows[user_job_id]["entrypoint"]
+    assert command.job_id not in rows, rows[command.job_id]
+    # Nor the drivers of the `raydeck jobs` calls themselves, nor any other command's.
+    commands = {job.job_id for job in client.list_jobs()
+                if (job.metadata or {}).get(METADATA_KIND) == "command"}
+    assert len(commands) >= 2 and not commands & set(rows), rows
 
 
 @pytest.mark.slow

@@ -9,6 +9,8 @@ import json
 import re
 import shutil
 import subprocess
+import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,13 @@ import pytest
 import yaml
 
 from raydeck.observability.alerts import RULES_FILE_NAME
+from raydeck.observability.dashboard_check import (
+    EXPECTED_EMPTY,
+    NO_RAY_METRICS,
+    check,
+    explain_empty,
+    metric_names,
+)
 from raydeck.observability.dashboards import (
     ALERTS_DIR,
     BUILTIN_VARIABLES,
@@ -31,7 +40,7 @@ from raydeck.observability.grafana import DATASOURCE_UID, provisioning_files
 from raydeck.observability.metrics import METRICS, metrics_markdown
 from raydeck.observability.prometheus import PrometheusConfig
 from tests.cli.test_cli import _one_error_line, _raydeck
-from tests.fixtures.prometheus import DASHBOARDS_DIR
+from tests.fixtures.prometheus import DASHBOARDS_DIR, PrometheusServer, scraping_itself
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -206,3 +215,135 @@ def test_render_check_cli_fails_on_a_stale_file(tmp_path: Path) -> None:
     assert "raydeck-training.json" in answer.output
     assert CliRunner().invoke(app, ["dashboards", "render", "--dir", str(copy)]).exit_code == 0
     assert not render(copy, write=False)
+
+
+# --- `raydeck dashboards check` against a real Prometheus that scrapes only itself ------------
+# Two dashboards written the way dashboards/*.py are: one whose queries are all valid (one has
+# data, the others cannot yet), one whose queries Prometheus rejects, each a different way.
+CHECK_DEFINITIONS = {
+    "waiting.py": """
+        from raydeck.observability.dashboards import Dashboard, Panel, Row, Target
+        DASHBOARD = Dashboard(uid="check-waiting", title="Check / Waiting", description="",
+                              rows=(Row("r", (
+            Panel("Prometheus itself", (Target("max by (job) (prometheus_build_info)"),)),
+            Panel("Queued jobs", (Target(
+                'sum by (team) (ray_raydeck_queue_jobs{state="queued"})'),)),
+            Panel("No such job", (Target('sum(rate(up{job="nobody-scrapes-this"}[1m]))'),)),
+            Panel("GPUs", (Target("avg(ray_node_gpus_utilization)"),), empty_ok="no GPU"),
+        )),))
+    """,
+    "broken.py": """
+        from raydeck.observability.dashboards import Dashboard, Panel, Row, Target
+        DASHBOARD = Dashboard(uid="check-broken", title="Check / Broken", description="",
+                              rows=(Row("r", (
+            Panel("Unclosed", (Target("sum(rate(up[1m])"),)),
+            Panel("Unknown function", (Target("no_such_function(up)"),)),
+            Panel("Bad matcher", (Target('up{job=~"("}'),)),
+            Panel("Many to many", (Target("prometheus_http_requests_total + on() up"),)),
+            Panel("Fine", (Target("sum(up)"),)),
+        )),))
+    """,
+}
+BROKEN = {
+    "Unclosed": "parse error: unclosed left parenthesis",
+    "Unknown function": 'unknown function with name "no_such_function"',
+    "Bad matcher": "error parsing regexp",
+    "Many to many": "many-to-one matching must be explicit",
+}
+WIDE_CONSOLE = {"COLUMNS": "400"}  # rich wraps table cells to the terminal's width
+
+
+@pytest.fixture(scope="module")
+def bare_prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
+    """A real Prometheus with no Ray, once it holds its own metrics, two request handlers'
+    counters among them (the "Many to many" panel needs two)."""
+    server = scraping_itself(tmp_path_factory.mktemp("bare-prometheus"))
+    try:
+        server.wait_for("count(prometheus_http_requests_total) > 1", timeout_s=60)
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def check_definitions(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("check-dashboards")
+    for name, text in CHECK_DEFINITIONS.items():
+        (directory / name).write_text(textwrap.dedent(text))
+    return directory
+
+
+def test_check_tells_broken_queries_from_valid_ones_without_data(
+        bare_prometheus: PrometheusServer, check_definitions: Path) -> None:
+    results = {r.panel: r for r in check(load_dashboards(check_definitions),
+                                         bare_prometheus.client, range_s=300)}
+    assert {p: r.status for p, r in results.items()} == {
+        "Prometheus itself": "data", "Queued jobs": "no data yet", "No such job": "no data yet",
+        "GPUs": EXPECTED_EMPTY, **dict.fromkeys(BROKEN, "error"), "Fine": "data"}
+    assert {p for p, r in results.items() if r.failed} == set(BROKEN)
+    for panel, error in BROKEN.items():
+        assert error in results[panel].error, results[panel].error
+    # Nothing exports the queue's metric here, nor any Ray metric at all: both are said.
+    assert results["Queued jobs"].why_empty == (
+        f"no series: nothing has exported ray_raydeck_queue_jobs yet \N{EM DASH} {NO_RAY_METRICS}")
+    # `up` is there (Prometheus scrapes itself), just not for that job.
+    assert results["No such job"].why_empty.startswith("no series: Prometheus has up, but none")
+    assert "too few samples for rate()" in results["No such job"].why_empty
+
+
+def test_check_cli_exits_1_naming_each_panel_prometheus_rejects_and_its_error(
+        bare_prometheus: PrometheusServer, check_definitions: Path, tmp_path: Path) -> None:
+    answer = _raydeck("dashboards", "check", "--prometheus-url", bare_prometheus.url,
+                      "--dir", str(check_definitions), "--range", "5m", cwd=tmp_path,
+                      env=WIDE_CONSOLE)
+    assert answer.returncode == 1, answer.stdout + answer.stderr
+    lines = answer.stdout.splitlines()
+    for panel, error in BROKEN.items():
+        said = [line for line in lines if line.startswith(f"broken: Check / Broken / {panel} A: ")]
+        assert len(said) == 1 and error in said[0], answer.stdout
+    assert "2 data, 1 expected empty, 2 no data yet, 4 error" in answer.stdout
+    assert "4 panel queries rejected by Prometheus" in answer.stdout
+    assert "Traceback" not in answer.stderr
+
+
+def test_check_cli_exits_0_when_every_query_is_valid_and_says_why_a_panel_is_empty(
+        bare_prometheus: PrometheusServer, check_definitions: Path, tmp_path: Path) -> None:
+    answer = _raydeck("dashboards", "check", "--prometheus-url", bare_prometheus.url,
+                      "--dir", str(check_definitions), "--dashboard", "check-waiting",
+                      cwd=tmp_path, env=WIDE_CONSOLE)
+    assert answer.returncode == 0, answer.stdout + answer.stderr
+    row = next(line for line in answer.stdout.splitlines() if "Queued jobs" in line)
+    assert "no data yet" in row
+    assert "nothing has exported ray_raydeck_queue_jobs yet" in row
+    assert "1 data, 1 expected empty, 2 no data yet, 0 error" in answer.stdout
+    assert "every query is valid; 2 return no data yet" in answer.stdout
+
+
+def test_an_empty_panel_names_what_has_not_run_when_prometheus_scrapes_ray() -> None:
+    scraped = {"ray_node_cpu_count", "ray_raydeck_train_step"}
+    queue = explain_empty('sum by (team) (ray_raydeck_queue_jobs{state="queued"})', scraped, 900)
+    assert queue == ("no series: nothing has exported ray_raydeck_queue_jobs yet \N{EM DASH} "
+                     "the job queue has not run (it starts with the first "
+                     "`raydeck submit --queue`)")
+    serving = explain_empty("rate(ray_serve_num_http_requests_total[1m]) / "
+                            "ray_raydeck_serving_bad_requests_total", scraped, 900)
+    assert "ray_serve_num_http_requests_total, ray_raydeck_serving_bad_requests_total" in serving
+    assert "no Ray Serve application has served a request" in serving
+    assert "no `raydeck serve` replica has run" in serving
+    assert explain_empty("max(ray_raydeck_train_step)", scraped, 900) == (
+        "no series: Prometheus has ray_raydeck_train_step, but none of their series matches "
+        "this query in the last 15m (its label filters)")
+
+
+def test_metric_names_finds_what_every_committed_panel_reads() -> None:
+    assert metric_names('sum by (a) (rate(x_total{b="c{d}", e=~"f|g"}[5m] offset 1h)) * on (a) '
+                        'group_left(h) y + 2e3 - {__name__="z"} and sum(w) without (i)'
+                        ) == ("z", "x_total", "y", "w")
+    known = {name for spec in METRICS for name in spec.series_names}
+    for dashboard in load_dashboards(DASHBOARDS_DIR):
+        for panel in dashboard.panels():
+            for target in panel.targets:
+                names = metric_names(target.expr)
+                assert names and all(n.startswith("ray_") for n in names), target.expr
+                raydeck = set(re.findall(r"ray_raydeck_\w+", target.expr))
+                assert raydeck == {n for n in names if n in known}, target.expr

@@ -227,6 +227,15 @@ def test_bad_input_is_one_line_exit_2_and_queues_nothing(cluster: Cluster) -> No
     assert "policy priority" in listing
     for name in ("bad-team", "bad-prio", "too-large", "unplaceable"):
         assert name not in listing
+    # Each command above connected to the cluster as a driver, and Ray lists each driver as a
+    # job (issue 51: `raydeck jobs` showed them as SUCCEEDED jobs); raydeck jobs lists none,
+    # even with --drivers.
+    commands = {job.job_id for job in cluster.jobs.list_jobs()
+                if job.type.value == "DRIVER"
+                and (job.metadata or {}).get("raydeck_kind") == "command"}
+    assert len(commands) >= 5, cluster.jobs.list_jobs()
+    listed = json.loads(_ok(cluster.cli("jobs", "--drivers", "--json")))
+    assert not commands & {row["job_id"] for row in listed}, listed
 
 
 def _teams(cluster: Cluster) -> Path:

@@ -5,6 +5,7 @@ CLI's table with the queue actor's call answered by that queue."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,34 @@ def test_raydeck_queue_shows_the_service_columns_only_for_an_attained_service_po
     assert "Q1 of 3" in shown.output
     shown = CliRunner().invoke(app, ["queue", "--policy", "fifo"])
     assert shown.exit_code == 0 and "CPU-h" not in shown.output and "long" in shown.output
+
+
+def test_raydeck_queue_keeps_each_job_id_whole_on_its_row_and_lists_them_as_json(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 51: identifiers a user copies are never cut. Out of a terminal (here the CLI's
+    output captured, as in a pipe) each job is one line with its whole id, whatever COLUMNS
+    says; ``--json`` lists the same jobs in the same order."""
+    queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), FakeJobServer(),
+                     clock=lambda: 1e6)
+    ids = [f"raydeck-digits-torch-{index}{'0123456789abcdef' * 2}" for index in range(3)]
+    for job_id in ids:
+        queue.submit(_spec(job_id))
+    queue.tick()
+
+    def listing(settings: object, server: object, change: ConfigChange
+                ) -> tuple[str, list[Entry]]:  # the queue actor's answer, without Ray
+        return queue.describe(), queue.listing()
+
+    monkeypatch.setattr(client, "listing", listing)
+    monkeypatch.setenv("COLUMNS", "80")
+    as_json = CliRunner().invoke(app, ["queue", "--json"])
+    assert as_json.exit_code == 0, as_json.output
+    rows = json.loads(as_json.output)
+    assert [row["id"] for row in rows] == ids
+    assert [(row["position"], row["state"]) for row in rows] == [
+        (None, "starting"), (1, "queued"), (2, "queued")], rows
+    shown = CliRunner().invoke(app, ["queue"])
+    assert shown.exit_code == 0, shown.output
+    for job in rows:
+        (row,) = [line for line in shown.output.splitlines() if f" {job['id']} " in line]
+        assert f" {job['state']} " in row and f" {job['why']} " in row, row

@@ -314,6 +314,8 @@ def test_moving_the_alias_switches_every_replica_without_a_failed_request_and_a_
     assert status.returncode == 0, status.stderr
     row = next(line for line in status.stdout.splitlines() if served.name in line)
     assert "RUNNING" in row and f"v{broken}" in status.stdout
+    # Its own table only: none of Serve's INFO lines (`Started <...LongPollClient object ...>`).
+    assert "Started" not in status.stdout + status.stderr, status.stdout + status.stderr
 
 
 @pytest.mark.slow
@@ -557,12 +559,26 @@ def test_stop_deletes_the_application(served: Served, raydeck_env: dict[str, str
     assert key.startswith(f"serve-settings:{served.name}:"), key
     assert _internal_kv_exists(key, namespace=KV_NAMESPACE)
     assert raydeck_env["RAYDECK_TRACKING_URI"] not in json.dumps(app)
+    others = set(serve.status().applications) - {served.name}
     stopped = _cli("serve", "--stop", "--name", served.name, env=served.env)
     assert stopped.returncode == 0, stopped.stderr
-    assert served.name not in serve.status().applications
+    assert f"deleted {served.name}" in stopped.stdout
     assert not _internal_kv_exists(key, namespace=KV_NAMESPACE)
+    port = int(served.url.rsplit(":", 1)[1])
+    if not others:
+        # The last application: Serve shut down with it, and so did its HAProxy listener
+        # (it answered 404 on the port until the cluster stopped).
+        wait_until(lambda: not _listening(port), 30, "the application's port to close")
     again = _cli("serve", "--stop", "--name", served.name, env=served.env)
     assert again.returncode == 2 and "no Serve application" in again.stderr
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        probe.settimeout(1)
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.mark.slow

@@ -3,12 +3,15 @@ notebooks, and `raydeck down` leaving nothing behind.
 
 One stack for the module (starting it is the expensive part), in a directory other users cannot
 pass through, as under ``/root``: run as root (as CI runs), PostgreSQL runs as the ``postgres``
-user and keeps its data in ``/var/lib/raydeck/<stack id>``. Used in order: ``up`` from an
-empty directory; ``up`` again changes nothing; ``raydeck demo`` and ``raydeck sweep`` with
-nothing set but the stack's connection file, checked in PostgreSQL's tables, the S3 buckets and
-Prometheus; a crashed service shown by ``ps`` and restarted by ``up``; every notebook run
-headless against the stack; ``down`` frees every process and port; a service that dies
-during ``up`` takes down what that ``up`` started; and ``down --purge`` deletes everything,
+user and keeps its data in ``/var/lib/raydeck/<stack id>``. It walks a new user's journeys with
+the docs' own commands, in order: ``up`` from an empty directory; ``up`` again changes nothing;
+``raydeck submit --register-as`` and ``raydeck sweep`` with nothing set but the stack's
+connection file, checked in PostgreSQL's tables, the S3 buckets and Prometheus; ``models
+promote``, ``serve``, one prediction, ``serve status`` and ``serve --stop``; plain MLflow code
+through ``raydeck://``; a crashed service shown by ``ps`` and restarted by ``up``; every
+notebook run headless against the stack; ``down`` frees every process and port, listens on
+loopback only while up, and leaves nothing in the temp directory; a service that dies during
+``up`` takes down what that ``up`` started; and ``down --purge`` deletes everything,
 PostgreSQL's data outside the stack's directory included.
 
 Recorded (``record_property`` and stdout with ``-s``): ``up``'s wall time, the idle stack's
@@ -34,15 +37,16 @@ import pytest
 from raydeck.cluster.serve_ingress import HAPROXY_ENV, HAPROXY_PORT_ENVS
 from raydeck.stack import postgres, processes
 from raydeck.stack.launchers import RayHeadLauncher
-from raydeck.stack.services import SERVICES
-from tests.fixtures.processes import wait_until
+from raydeck.stack.services import SERVICE_ENV, SERVICES
+from tests.fixtures.processes import free_port, wait_until
 from tests.fixtures.stack import StackUnderTest
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 SERVICE_NAMES = [spec.name for spec in SERVICES]
 UP_TIMEOUT_S = 900
-DEMO_RUN = "stack-demo"
+JOB_RUN = "stack-job"
+JOB_MODEL = "stack-digits"
 SWEEP = "stack-sweep"
 SWEEP_MODEL = "stack-sweep-best"
 PROMETHEUS_WAIT_S = 90.0
@@ -66,15 +70,38 @@ def _memory_mib(ps_output: str) -> int:
     return int(match.group(1))
 
 
+LOOPBACK_IPS = frozenset({"127.0.0.1", "::1", "::ffff:127.0.0.1"})
+
+
+def _listeners(port: int | None = None, pids: set[int] | None = None
+               ) -> list[tuple[int, str, str, int]]:
+    """``(pid, process name, address, port)`` of every listening TCP socket (of ``pids``, or on
+    ``port``), as ``ss -ltnp`` shows them."""
+    found = []
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.status != psutil.CONN_LISTEN or conn.pid is None:
+            continue
+        if (port is not None and conn.laddr.port != port) or (pids and conn.pid not in pids):
+            continue
+        try:
+            name = psutil.Process(conn.pid).name()
+        except psutil.Error:
+            continue
+        found.append((conn.pid, name, conn.laddr.ip, conn.laddr.port))
+    return found
+
+
 @pytest.fixture(scope="module")
 def stack() -> Iterator[dict[str, Any]]:
     under_test = StackUnderTest(mode=0o700)
+    started_at = time.time()
     started = time.perf_counter()
     try:
         answer = under_test.cli("up", "--free-ports", "--num-cpus", "4", timeout_s=UP_TIMEOUT_S)
         wall_time_s = time.perf_counter() - started
         assert answer.returncode == 0, answer.stdout[-3000:] + answer.stderr[-3000:]
-        yield {"stack": under_test, "up": answer, "up_wall_time_s": wall_time_s}
+        yield {"stack": under_test, "up": answer, "up_wall_time_s": wall_time_s,
+               "started_at": started_at}
     finally:
         under_test.destroy()
         # Only if the purge test did not run or failed.
@@ -156,11 +183,18 @@ def _objects(under_test: StackUnderTest, bucket: str, prefix: str) -> list[str]:
         bucket, prefix, recursive=True)]
 
 
-def test_demo_and_sweep_use_the_stack_with_nothing_else_set(stack: dict[str, Any]) -> None:
+def test_submit_registers_its_model_and_a_sweep_runs_with_nothing_else_set(
+        stack: dict[str, Any]) -> None:
+    """docs/serving.md's "Register" journey: ``raydeck submit`` of the torch job with
+    ``--register-as``, from a checkout, with nothing set but the stack's connection file. The
+    registration reads the run's model from the stack's S3 in the command's own process (it
+    failed there with botocore's NoCredentialsError, after the job had succeeded)."""
     under_test: StackUnderTest = stack["stack"]
-    demo = under_test.cli("demo", "--epochs", "2", "--run-name", DEMO_RUN)
-    assert demo.returncode in (0, 1), demo.stdout[-3000:] + demo.stderr[-3000:]  # 1: accuracy
-    assert "done" in demo.stdout, demo.stdout[-3000:]
+    submit = under_test.cli("submit", "jobs/digits_torch.py", "--preset", "cpu-2", "--run-name",
+                            JOB_RUN, "--register-as", JOB_MODEL, "--", "--epochs", "2",
+                            cwd=ROOT)
+    assert submit.returncode == 0, submit.stdout[-3000:] + submit.stderr[-3000:]
+    assert f"registered: models:/{JOB_MODEL}/1" in submit.stdout, submit.stdout[-3000:]
     sweep = under_test.cli("sweep", "--name", SWEEP, "--space",
                            str(ROOT / "jobs" / "sweep_digits.yaml"), "--num-samples", "1",
                            "--max-t", "2", "--register-as", SWEEP_MODEL)
@@ -170,25 +204,91 @@ def test_demo_and_sweep_use_the_stack_with_nothing_else_set(stack: dict[str, Any
     # MLflow's rows are in the stack's PostgreSQL.
     with _database(under_test) as db:
         runs = dict(db.execute("SELECT name, status FROM runs").fetchall())
-        assert runs[DEMO_RUN] == "FINISHED" and runs[SWEEP] == "FINISHED"
+        assert runs[JOB_RUN] == "FINISHED" and runs[SWEEP] == "FINISHED"
         steps = db.execute(
             "SELECT m.step FROM metrics m JOIN runs r ON r.run_uuid = m.run_uuid "
-            "WHERE r.name = %s AND m.key = 'val_accuracy' ORDER BY m.step", (DEMO_RUN,)).fetchall()
+            "WHERE r.name = %s AND m.key = 'val_accuracy' ORDER BY m.step", (JOB_RUN,)).fetchall()
         assert [step for (step,) in steps] == [0, 1]
-        (demo_uuid, artifact_uri), = db.execute(
-            "SELECT run_uuid, artifact_uri FROM runs WHERE name = %s", (DEMO_RUN,)).fetchall()
+        (job_uuid, artifact_uri), = db.execute(
+            "SELECT run_uuid, artifact_uri FROM runs WHERE name = %s", (JOB_RUN,)).fetchall()
         checkpoint = db.execute(
             "SELECT value FROM tags WHERE run_uuid = %s AND key = 'raydeck.checkpoint.latest'",
-            (demo_uuid,)).fetchone()[0]
-        versions = db.execute("SELECT name, version FROM model_versions WHERE name = %s",
-                              (SWEEP_MODEL,)).fetchall()
-        assert versions == [(SWEEP_MODEL, 1)]
+            (job_uuid,)).fetchone()[0]
+        versions = db.execute(
+            "SELECT name, version, run_id FROM model_versions WHERE name IN (%s, %s) "
+            "ORDER BY name", (JOB_MODEL, SWEEP_MODEL)).fetchall()
+        assert [(name, version) for name, version, _ in versions] == [
+            (JOB_MODEL, 1), (SWEEP_MODEL, 1)]
+        assert versions[0][2] == job_uuid
 
     # Artifacts and checkpoints are objects in the stack's S3.
     bucket, _, prefix = artifact_uri.removeprefix("s3://").partition("/")
     assert f"{prefix}/model/MLmodel" in _objects(under_test, bucket, prefix)
     bucket, _, prefix = checkpoint.removeprefix("s3://").partition("/")
     assert bucket == "checkpoints" and _objects(under_test, bucket, prefix + "/")
+
+
+def test_the_registered_model_is_promoted_served_answers_and_stops(stack: dict[str, Any]
+                                                                   ) -> None:
+    """docs/serving.md's journey after registering: promote, serve the alias, one prediction,
+    ``serve status``, ``serve --stop``, as a user types them against the stack."""
+    import requests
+
+    from raydeck.examples.digits import raw_split
+
+    under_test: StackUnderTest = stack["stack"]
+    promoted = under_test.cli("models", "promote", JOB_MODEL, "1")
+    assert promoted.returncode == 0, promoted.stderr
+    assert f"models:/{JOB_MODEL}@champion -> version 1" in promoted.stdout
+    port = free_port()
+    served = under_test.cli("serve", f"models:/{JOB_MODEL}@champion", "--port", str(port))
+    assert served.returncode == 0, served.stdout[-3000:] + served.stderr[-3000:]
+    url = f"http://127.0.0.1:{port}/invocations"
+    assert url in served.stdout, served.stdout
+    # Serve's ingress (HAProxy) listens where `raydeck serve` says, loopback by default.
+    assert {address for _, _, address, _ in _listeners(port)} <= LOOPBACK_IPS, _listeners(port)
+    _, _, rows, _ = raw_split(0)
+    answer = requests.post(url, json={"inputs": rows[:4].tolist()}, timeout=60)
+    assert answer.status_code == 200, answer.text[:500]
+    assert len(answer.json()["predictions"]) == 4
+    status = under_test.cli("serve", "status")
+    assert status.returncode == 0, status.stderr
+    assert JOB_MODEL in status.stdout and "RUNNING" in status.stdout
+    assert "Started" not in status.stdout + status.stderr  # no line of Serve's own
+    stopped = under_test.cli("serve", "--stop", "--name", JOB_MODEL)
+    assert stopped.returncode == 0, stopped.stderr
+    assert f"deleted {JOB_MODEL}" in stopped.stdout
+    # Nothing is served any more: the HAProxy listener is gone too (it answered 404 until
+    # `raydeck down`).
+    wait_until(lambda: not processes.listening(port), 60, "Serve's HTTP port to close")
+
+
+def test_mlflow_code_logs_to_the_stack_through_the_raydeck_uri(stack: dict[str, Any]) -> None:
+    """docs/mlflow-plugin.md: plain MLflow code with ``MLFLOW_TRACKING_URI=raydeck://`` logs to
+    raydeck's configured backend, the running stack's MLflow (it went to the embedded SQLite,
+    and the proxy refused the process)."""
+    import subprocess
+    import sys
+
+    under_test: StackUnderTest = stack["stack"]
+    code = ("import mlflow\n"
+            "mlflow.set_experiment('plugin-journey')\n"
+            "with mlflow.start_run(run_name='plugin-journey') as run:\n"
+            "    mlflow.log_param('lr', 0.1)\n"
+            "    for step in range(3):\n"
+            "        mlflow.log_metric('loss', 1.0 / (step + 1), step=step)\n")
+    answer = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300, cwd=under_test.root,
+                            env={**under_test.env, "MLFLOW_TRACKING_URI": "raydeck://"})
+    assert answer.returncode == 0, answer.stdout[-3000:] + answer.stderr[-3000:]
+    with _database(under_test) as db:
+        (run_uuid, status), = db.execute(
+            "SELECT run_uuid, status FROM runs WHERE name = 'plugin-journey'").fetchall()
+        assert status == "FINISHED"
+        points = db.execute("SELECT step FROM metrics WHERE run_uuid = %s AND key = 'loss' "
+                            "ORDER BY step", (run_uuid,)).fetchall()
+        assert [step for (step,) in points] == [0, 1, 2]
+    assert not (under_test.root / "data" / "mlflow.db").exists()  # never the embedded SQLite
 
 
 def test_prometheus_has_raydeck_and_ray_series(stack: dict[str, Any]) -> None:
@@ -198,7 +298,7 @@ def test_prometheus_has_raydeck_and_ray_series(stack: dict[str, Any]) -> None:
     client = PrometheusClient(f"http://127.0.0.1:{under_test.state().ports['prometheus']}")
     found: dict[str, list[Any]] = {}
     queries = {
-        "training": f'last_over_time(ray_raydeck_train_step{{run="{DEMO_RUN}"}}[30m])',
+        "training": f'last_over_time(ray_raydeck_train_step{{run="{JOB_RUN}"}}[30m])',
         "tracking": "last_over_time(ray_raydeck_tracking_points_written_total[30m])",
         "sweep": f'last_over_time(ray_raydeck_sweep_trials{{sweep="{SWEEP}"}}[30m])',
         "ray": "ray_node_cpu_count",
@@ -284,15 +384,44 @@ def test_notebook_runs_against_the_stack(
 
 
 def test_down_stops_every_process_and_frees_every_port(stack: dict[str, Any]) -> None:
+    """While up, every service raydeck starts listens on loopback only, and so do Ray's
+    dashboard and job server; Ray 2.60's own gRPC servers (GCS, raylet, workers, agents, Ray
+    Client) bind the host's interfaces whatever ``--node-ip-address`` says, which
+    docs/deployment.md states with how the stack guards them. ``down`` stops everything and
+    leaves nothing in the temp directory: Ray's temp dir, HAProxy's files, what jobs' processes
+    wrote there, and no tracker's staging folder."""
+    import tempfile
+
     under_test: StackUnderTest = stack["stack"]
     ports = under_test.ports()
     assert under_test.marked()
+    by_service: dict[str, list[tuple[int, str, str, int]]] = {}
+    for proc in under_test.marked():
+        service = proc.environ().get(SERVICE_ENV, "")
+        by_service.setdefault(service, []).extend(_listeners(pids={proc.pid}))
+    for service, sockets in by_service.items():
+        wide = [s for s in sockets if s[2] not in LOOPBACK_IPS]
+        if service == "ray-head":
+            dashboard = under_test.state().ports["ray-dashboard"]
+            assert not [s for s in wide if s[3] == dashboard], wide
+            print(f"\nRay's own listeners on the host's interfaces: {sorted(wide)}")
+        else:
+            assert not wide, f"{service} listens beyond loopback: {wide}"
+    ray_temp = under_test.paths.ray_temp_dir
+    assert ray_temp.is_dir()  # also the TMPDIR of the stack's Ray processes
+    started = stack["started_at"]
     down = under_test.cli("down")
     assert down.returncode == 0, down.stderr
     assert not under_test.marked()
     assert [port for port in ports if processes.listening(port)] == []
     assert not under_test.stack_file.exists()  # raydeck commands no longer use it
     assert (under_test.state().pgdata(under_test.paths) / "PG_VERSION").exists()  # data stays
+    assert not ray_temp.exists()
+    # No tracker of a process that has ended left its staging folder behind.
+    stale = [folder for folder in Path(tempfile.gettempdir()).glob("raydeck-staging-*")
+             if folder.stat().st_mtime > started
+             and not psutil.pid_exists(int(folder.name.rpartition("-")[2]))]
+    assert not stale, stale
     ps = under_test.cli("ps")
     assert ps.returncode == 0 and ps.stdout.count("stopped") == len(SERVICE_NAMES)
 

@@ -216,6 +216,13 @@ def test_connection_file_is_the_lowest_precedence(
     mlflow = load_settings(env={**env, "MLFLOW_TRACKING_URI": "http://company-mlflow:5000"})
     assert mlflow.tracking.uri == "http://company-mlflow:5000"
     assert mlflow.storage.endpoint == "http://127.0.0.1:19000"  # the rest of the stack stays
+    # raydeck:// names raydeck's configured backend, this stack's: not the embedded SQLite.
+    for uri in ("raydeck://", "raydeck:///", " raydeck:// "):
+        assert load_settings(env={**env, "MLFLOW_TRACKING_URI": uri}).tracking.uri \
+            == "http://127.0.0.1:15000", uri
+    # raydeck+<backend> names that backend, over the stack's, as any MLflow URI does.
+    wrapped = load_settings(env={**env, "MLFLOW_TRACKING_URI": "raydeck+http://other:5000"})
+    assert wrapped.tracking.uri == "http://other:5000"
     assert load_settings(env={"RAYDECK_STACK_FILE": ""}).tracking.uri.startswith("sqlite:")
 
 
@@ -244,3 +251,11 @@ def test_config_command_masks_the_stacks_secret(stack_file: dict[str, Any], tmp_
     assert answer.returncode == 0, answer.stderr
     assert "http://127.0.0.1:15000" in answer.stdout and "(set)" in answer.stdout
     assert stack_file["secret"].reveal() not in answer.stdout + answer.stderr
+    # `raydeck config` with MLFLOW_TRACKING_URI=raydeck:// shows the same backend, the stack's.
+    plugin = subprocess.run([sys.executable, "-m", "raydeck.cli", "config"],
+                            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                                 "RAYDECK_STACK_FILE": stack_file["RAYDECK_STACK_FILE"],
+                                 "MLFLOW_TRACKING_URI": "raydeck://", "COLUMNS": "200"})
+    assert plugin.returncode == 0, plugin.stderr
+    assert "http://127.0.0.1:15000" in plugin.stdout and "sqlite" not in plugin.stdout

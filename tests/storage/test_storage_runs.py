@@ -102,13 +102,15 @@ def _driver_env(s3_server: S3Server, mlflow_uri: str, root: Path, key: str) -> d
     }
 
 
-def _start_demo(env: dict[str, str], root: Path) -> ManagedProcess:
+def _start_demo(env: dict[str, str], root: Path, *extra: str) -> ManagedProcess:
+    """``raydeck demo`` with ``env`` and no ``AWS_*`` variable: the S3 credentials reach it only
+    as raydeck's settings (``RAYDECK_S3_*``), as on a user's machine."""
     import sys
 
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAYDECK_", "AWS_"))}
     process = ManagedProcess(
         [sys.executable, "-m", "raydeck.cli", "demo", "--epochs", str(EPOCHS),
-         "--run-name", "storage-demo"],
+         "--run-name", "storage-demo", *extra],
         log_path=root / "demo.log", cwd=root,
     )
     process.env = {**clean, "RAYDECK_LOG_LEVEL": "INFO", **env}
@@ -193,7 +195,9 @@ def run_with_worker_death(s3_server: S3Server, s3_mlflow: MlflowServer,
     key = f"s3run-{uuid.uuid4().hex[:8]}"
     env = _driver_env(s3_server, s3_mlflow.uri, root, key)
     settings = load_settings(env=env)
-    process = _start_demo(env, root)
+    # Registering reads the run's model from S3 in the demo's own process (issue: it had no
+    # credentials there and failed with botocore's NoCredentialsError after the job succeeded).
+    process = _start_demo(env, root, "--register-as", f"storage-{key}")
     prefix = f"{settings.storage.prefix}/{key}/"
     _wait_for_checkpoint(s3_server, process, prefix, 1)
     _kill_one_train_worker(env["RAYDECK_RAY_NAMESPACE"])
@@ -246,6 +250,13 @@ def test_tracked_run_keeps_artifacts_and_checkpoints_in_s3(
     run = run_with_worker_death
     assert run.returncode == 0, run.log[-4000:]
     info = run.run.info
+    # --register-as worked with the credentials of raydeck's settings alone: the version
+    # points at the run, and the demo said so.
+    from mlflow.tracking import MlflowClient
+
+    (version,) = MlflowClient(s3_mlflow.uri).search_model_versions(f"name='storage-{run.key}'")
+    assert version.run_id == info.run_id and version.tags["raydeck.run_id"] == info.run_id
+    assert f"registered model:    models:/storage-{run.key}/1" in run.log
     artifact_root = f"s3://{ARTIFACTS_BUCKET}/{run.settings.storage.prefix}/mlflow"
     assert info.artifact_uri == f"{artifact_root}/{info.run_id}/artifacts"
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -57,7 +59,11 @@ def test_mlflow_methods_move_over_by_renaming_the_object(ray_cluster: None, mlfl
     tracker.log_input(mlflow.data.from_pandas(frame, name="digits-train"), context="training")
     model = LogisticRegression().fit(frame[["feature"]], frame["label"])
     uri = tracker.log_model(model, "classifier")
+    staging = Path(tempfile.gettempdir()) / f"raydeck-staging-{os.getpid()}"
+    assert staging.is_dir()  # the files above were copied there until handed over
     tracker.finish()
+    # Nothing of the staging is left: the tracker's folder, and the process's once it is empty.
+    assert not staging.exists() or any(staging.iterdir())
 
     run_id = tracker.run_id
     assert uri == f"runs:/{run_id}/classifier"

@@ -89,6 +89,9 @@ def test_a_killed_driver_leaves_its_run_killed_not_running(ray_cluster: None, ml
 @pytest.mark.timeout(180)
 def test_a_run_records_how_it_was_made(ray_cluster: None, mlflow_client: Any,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+    from mlflow.environment_variables import MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING
+
     import raydeck
 
     monkeypatch.setenv("RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S", "1")
@@ -96,7 +99,8 @@ def test_a_run_records_how_it_was_made(ray_cluster: None, mlflow_client: Any,
     def system_metrics_landed(run_id: str) -> bool:
         keys = mlflow_client.get_run(run_id).data.metrics
         return all(any(k.startswith("system/") and k.endswith(suffix) for k in keys)
-                   for suffix in ("/cpu_percent", "/memory_percent"))
+                   for suffix in ("/cpu_utilization_percentage",
+                                  "/system_memory_usage_megabytes"))
 
     with raydeck.get_tracker(run_name="repro") as tracker:
         # Samples every second at this test's interval; wait until they are in MLflow.
@@ -109,9 +113,13 @@ def test_a_run_records_how_it_was_made(ray_cluster: None, mlflow_client: Any,
     assert tags["raydeck.version.ray"].startswith("2.")
     assert tags["raydeck.ray_job_id"]
     assert tags["raydeck.entrypoint"]
+    # raydeck's own tracker samples by default (RAYDECK_TRACKING_SYSTEM_METRICS=auto), MLflow's
+    # switch off, under MLflow's names and its system/<node_id>/ form.
+    assert not MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING.get()
     system = [k for k in run.data.metrics if k.startswith("system/")]
-    assert any(k.endswith("/cpu_percent") for k in system)
-    assert any(k.endswith("/memory_percent") for k in system)
+    node = ray.util.get_node_ip_address()
+    assert f"system/{node}/cpu_utilization_percentage" in system
+    assert f"system/{node}/system_memory_usage_percentage" in system
     path = mlflow_client.download_artifacts(tracker.run_id, "raydeck/runtime_env.json")
     env = json.loads(Path(path).read_text())
     assert env["env_vars"]["RAYDECK_TRACKING_URI"].startswith("http://127.0.0.1:")

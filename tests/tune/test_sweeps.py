@@ -44,11 +44,13 @@ RICH_SPACE = {
 RUN_TIMEOUT_S = 480
 
 
-def _children(client: Any, parent_run_id: str) -> list[Any]:
+def _children(client: Any, parent_run_id: str, order_by: list[str] | None = None
+              ) -> list[Any]:
     parent = client.get_run(parent_run_id)
     return client.search_runs(
         [parent.info.experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{parent_run_id}'", max_results=1000,
+        order_by=order_by,
     )
 
 
@@ -63,6 +65,16 @@ def _parent(client: Any, name: str) -> Any:
 
 def _steps(client: Any, run_id: str, key: str = "val_accuracy") -> list[int]:
     return sorted(m.step for m in client.get_metric_history(run_id, key))
+
+
+def _running_best(client: Any, run_id: str, key: str = "val_accuracy") -> list[tuple[int, float]]:
+    """(step, best value so far) of ``key`` in run ``run_id``: what ``best_<key>`` should hold."""
+    best: float | None = None
+    running = []
+    for point in sorted(client.get_metric_history(run_id, key), key=lambda m: m.step):
+        best = point.value if best is None else max(best, point.value)
+        running.append((point.step, best))
+    return running
 
 
 def _rng_state() -> tuple[Any, bytes]:
@@ -117,6 +129,22 @@ def test_asha_sweep_over_lists_nested_groups_and_none_records_the_best_and_regis
         assert child.info.status == "FINISHED"
     assert result.trial_iterations < 8 * 8
 
+    # Each child shows its best val_accuracy so far (not its latest) as best_val_accuracy, at
+    # every step, ending at the score the summary ranks by: sorting the children by it in MLflow
+    # puts the summary's best first.
+    assert result.best_metric == "best_val_accuracy"
+    for child in children:
+        trial = by_trial[child.data.tags["raydeck.trial_id"]]
+        best = sorted((m.step, m.value) for m in mlflow_client.get_metric_history(
+            child.info.run_id, "best_val_accuracy"))
+        assert best == _running_best(mlflow_client, child.info.run_id)
+        assert child.data.metrics["best_val_accuracy"] == trial.best_score == best[-1][1]
+    ranked = _children(mlflow_client, result.parent_run_id,
+                       order_by=["metrics.best_val_accuracy DESC"])
+    assert ranked[0].data.metrics["best_val_accuracy"] == result.best_score
+    best_child = next(c for c in ranked if c.info.run_id == result.best_run_id)
+    assert best_child.data.metrics["best_val_accuracy"] == result.best_score  # ties share it
+
     # The best config, lists and None included, survives to the parent: scalars as tags,
     # all of it as JSON.
     tags = parent.data.tags
@@ -132,6 +160,9 @@ def test_asha_sweep_over_lists_nested_groups_and_none_records_the_best_and_regis
     assert tags["raydeck.trials_completed"] == str(result.count("completed"))
     assert tags["raydeck.trials_errored"] == "0" and tags["raydeck.trials_preempted"] == "0"
     assert parent.data.metrics["best_val_accuracy"] == pytest.approx(result.best_score)
+    # The parent's description (MLflow's note) links the best child run, as the UI shows it.
+    assert (f"(#/experiments/{parent.info.experiment_id}/runs/{result.best_run_id})"
+            in tags["mlflow.note.content"])
     best_history = mlflow_client.get_metric_history(result.best_run_id, "val_accuracy")
     assert max(m.value for m in best_history) == pytest.approx(result.best_score)
     assert result.slot_usage is not None and 0 <= result.slot_usage.idle_fraction < 1
@@ -194,6 +225,14 @@ def test_fifo_stops_no_trial_early_and_marks_an_erroring_trial_with_its_error(
                 f"ValueError: diverged at iteration 2 (lr={float(params['lr'])})")
             assert tags["raydeck.stop_iteration"] == "1"
             assert _steps(mlflow_client, child.info.run_id) == [1]
+    # The best so far at each step, errored trials included, and nothing more when a resume
+    # summarizes again.
+    by_trial = {t.trial_id: t for t in result.trials}
+    for child in children:
+        best = sorted((m.step, m.value) for m in mlflow_client.get_metric_history(
+            child.info.run_id, "best_val_accuracy"))
+        assert best == _running_best(mlflow_client, child.info.run_id)
+        assert best[-1][1] == by_trial[child.data.tags["raydeck.trial_id"]].best_score
     assert {t.status for t in result.trials} == {"completed", "errored"}
     assert all(t.error and t.error.startswith("ValueError: diverged") for t in result.trials
                if t.status == "errored")
@@ -221,6 +260,12 @@ def test_pbt_exploits_record_lineage_and_every_curve_once(
     assert len(children) == 8
     exploited = [c for c in children if "raydeck.pbt.source_trial" in c.data.tags]
     assert exploited, "PBT never exploited"
+    # An exploited trial stops logging its best (its process does not know its own before the
+    # exploit); the summary writes the score, and it is the value MLflow shows.
+    by_trial = {t.trial_id: t for t in result.trials}
+    for child in children:
+        score = by_trial[child.data.tags["raydeck.trial_id"]].best_score
+        assert child.data.metrics["best_val_accuracy"] == score
     trial_ids = {c.data.tags["raydeck.trial_id"] for c in children}
     for child in children:
         tags = child.data.tags
@@ -319,17 +364,27 @@ def test_a_sweep_killed_inside_a_report_resumes_with_every_iteration_once(
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
 
     parent = _parent(mlflow_client, name)
-    assert parent.info.status == "FINISHED"
+    assert parent.info.status == "FINISHED" and parent.info.run_name == name
+    # The summary prints what MLflow shows: the score's key and a link to the sweep's run.
+    link = (f"{mlflow_client.tracking_uri}/#/experiments/{parent.info.experiment_id}/runs/"
+            f"{parent.info.run_id}")
+    assert f"open: {link}" in resumed.stdout, resumed.stdout[-3000:]
+    best = parent.data.tags["raydeck.best_trial_id"]
+    assert (f"best trial {best}: best_val_accuracy "
+            f"{parent.data.metrics['best_val_accuracy']:.4f}") in resumed.stdout
     children = _children(mlflow_client, parent.info.run_id)
     assert len(children) == 4
     assert any(c.data.tags.get("raydeck.trial_resumed") == "true" for c in children)
     for child in children:
-        for key in ("val_accuracy", "score"):
+        for key in ("val_accuracy", "score", "best_val_accuracy"):
             points = mlflow_client.get_metric_history(child.info.run_id, key)
             # Every iteration exactly once: count the points, not just the steps.
             assert sorted(m.step for m in points) == [1, 2, 3, 4, 5, 6], (
                 child.data.tags["raydeck.trial_id"], key,
                 sorted((m.step, m.timestamp, m.value) for m in points))
+        assert child.data.metrics["best_val_accuracy"] == max(
+            m.value for m in mlflow_client.get_metric_history(child.info.run_id,
+                                                              "val_accuracy"))
         assert child.data.tags["raydeck.trial_status"] == "completed"
 
 
@@ -460,6 +515,12 @@ def test_distributed_trials_on_two_nodes_keep_their_state_in_s3_and_resume_after
         assert child.data.tags["raydeck.trial_status"] == "completed", child.data.tags
         assert _steps(mlflow_client, child.info.run_id) == list(range(epochs))
         assert child.data.tags.get("raydeck.trial_resumed") == "true", child.data.tags
+        # The resumed trial's process never saw its first epochs: the summary wrote its score.
+        assert child.data.metrics["best_val_accuracy"] == max(
+            m.value for m in mlflow_client.get_metric_history(child.info.run_id,
+                                                              "val_accuracy"))
+    assert f"open: {mlflow_server.uri}/#/experiments/{parent.info.experiment_id}/runs/" \
+           f"{parent.info.run_id}" in resumed.stdout, resumed.stdout[-3000:]
     assert len(_train_worker_nodes(two_node_cluster)) == 2
     assert parent.data.tags["raydeck.registered_model"] == f"models:/{model_name}/1"
     version = mlflow_client.get_model_version(model_name, "1")

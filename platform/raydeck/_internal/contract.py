@@ -31,3 +31,10 @@ PREEMPTION_TAG_PREFIX = "raydeck.preemption."
 # durations from earlier runs with that tag.
 JOB_DIGEST_ENV = "RAYDECK_JOB_DIGEST"
 JOB_DIGEST_TAG = "raydeck.job_digest"
+
+# What a Ray job is to raydeck, in its job-config metadata: ``raydeck submit`` and the queue
+# submit "job"s, the preflight probe is a "probe", and a command's driver (``raydeck status``,
+# ``queue``, ``jobs``...: raydeck.cluster.connection.connect_existing) a "command", which
+# ``raydeck jobs`` never lists (raydeck.jobs.submission.list_jobs).
+JOB_KIND_METADATA = "raydeck_kind"
+COMMAND_DRIVER_KIND = "command"

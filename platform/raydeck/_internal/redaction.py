@@ -51,6 +51,9 @@ _SECRET_LAST_WORDS = frozenset({"KEY", "AUTH", "SIGNATURE"})
 # ... unless its last word says the value only points at the secret (``RAY_AUTH_TOKEN_PATH``)
 # or is an address, whose user-info rule 1 removes.
 _POINTER_LAST_WORDS = frozenset({"PATH", "FILE", "DIR", "MODE", "URL", "URI", "ENABLED"})
+# ... or when it names a kind of exception (``NoCredentialsError: Unable to locate credentials``,
+# an exception as Python prints it): the text after it is a message, never a credential.
+_EXCEPTION_LAST_WORDS = frozenset({"ERROR", "EXCEPTION", "WARNING"})
 # Names whose values are addresses: shown with rule 1 applied even without a scheme.
 _ADDRESS_LAST_WORDS = frozenset({"URL", "URI", "ENDPOINT", "ADDRESS", "LOCATION", "HOST"})
 
@@ -93,11 +96,12 @@ def is_secret_name(name: str) -> bool:
     ``AUTH`` or ``SIGNATURE`` after another word (a bare ``key=`` or ``signature=`` is far more
     often code than a credential), and ``*PWD`` except the shell's ``PWD``. Not secret: key ids
     (``AWS_ACCESS_KEY_ID``), and names ending in ``PATH``, ``FILE``, ``DIR``, ``MODE``, ``URL``,
-    ``URI`` or ``ENABLED`` (``RAY_AUTH_TOKEN_PATH`` names a file; ``TOKEN_URL`` an address).
+    ``URI`` or ``ENABLED`` (``RAY_AUTH_TOKEN_PATH`` names a file; ``TOKEN_URL`` an address), and
+    exception names (``NoCredentialsError``: the message after it is shown).
     Case, ``-``, ``.`` and camelCase do not matter (``--api-key``, ``secretAccessKey``).
     """
     words = _words(name.lstrip("-"))
-    if not words or (len(words) > 1 and words[-1] in _POINTER_LAST_WORDS):
+    if not words or (len(words) > 1 and words[-1] in _POINTER_LAST_WORDS | _EXCEPTION_LAST_WORDS):
         return False
     if any(w in _SECRET_WORDS for w in words):
         return True

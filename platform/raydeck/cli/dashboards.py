@@ -3,7 +3,8 @@
 ``render`` regenerates the Grafana JSON, the alert rule file and the provisioning files from the
 definitions in ``dashboards/`` (``--check`` fails when the committed files are stale, for CI);
 ``push`` uploads them, Ray's own dashboards and the Prometheus datasource to a Grafana;
-``check`` runs every panel's query against a Prometheus and shows which panels have data.
+``check`` runs every panel's query against a Prometheus and shows which panels have data, which
+have none yet (and why) and which queries Prometheus rejects; only the last fail it (exit 1).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from raydeck.cli._console import console, err_console
+from raydeck.cli._console import add_columns, console, err_console, print_table
 
 app = typer.Typer(help="Render, push and check raydeck's Grafana dashboards and alert rules.",
                   no_args_is_help=True)
@@ -22,7 +23,8 @@ app = typer.Typer(help="Render, push and check raydeck's Grafana dashboards and 
 DEFAULT_DIR = Path("dashboards")  # here, else the copy installed with raydeck
 DEFAULT_PROMETHEUS_URL = "http://127.0.0.1:9090"
 EXIT_CHECK_FAILED = 1
-_STATUS_STYLE = {"data": "green", "expected empty": "yellow", "no data": "red", "error": "red"}
+_STATUS_STYLE = {"data": "green", "expected empty": "cyan", "no data yet": "yellow",
+                 "error": "red"}
 
 DirOption = typer.Option(None, "--dir", show_default=False,
                          help=f"Folder holding the definitions (*.py, alerts/rules.py). Default: "
@@ -110,9 +112,14 @@ def check(
                                    "uid, e.g. raydeck-training). Repeatable; default: all."),
     directory: Path = DirOption,
 ) -> None:
-    """Run every panel's query against Prometheus; exit 1 if one errors or returns nothing."""
+    """Run every panel's query against Prometheus; exit 1 only if Prometheus rejects one.
+
+    A valid query that returns nothing is "no data yet", with the metrics it reads that nothing
+    has exported (exit 0); exit 2 when Prometheus cannot be asked at all.
+    """
     from raydeck._internal.redaction import redact_url
     from raydeck.errors import ConfigError
+    from raydeck.observability.dashboard_check import DATA, ERROR, EXPECTED_EMPTY, NO_DATA_YET
     from raydeck.observability.dashboard_check import check as check_panels
     from raydeck.observability.dashboards import load_dashboards
     from raydeck.observability.prometheus import PrometheusClient, parse_duration
@@ -136,18 +143,30 @@ def check(
         results = check_panels(dashboards, client,
                                range_s=parse_duration(time_range), values=values)
     table = Table(title=f"panels vs {shown} (last {time_range})")
-    for column in ("dashboard", "panel", "query", "status", "series", "detail"):
-        table.add_column(column)
+    add_columns(table, "dashboard", "panel", "query", "status", "series", "detail",
+                whole=("query",))
     for r in results:
-        detail = r.error or (r.empty_ok if r.status == "expected empty" else "")
-        if r.status == "data":
+        detail = {ERROR: r.error, EXPECTED_EMPTY: r.empty_ok,
+                  NO_DATA_YET: r.why_empty}.get(r.status, "")
+        if r.status == DATA:
             detail = ", ".join(f"{k}={v}" for k, v in sorted(r.series[0].items())
                                if k not in ("__name__",))[:80]
         table.add_row(escape(r.dashboard), escape(r.panel), r.ref,
                       f"[{_STATUS_STYLE[r.status]}]{r.status}[/]", str(len(r.series)),
                       escape(detail))
-    console.print(table)
+    print_table(table)
     counts = {status: sum(1 for r in results if r.status == status) for status in _STATUS_STYLE}
     console.print(", ".join(f"{n} {status}" for status, n in counts.items()))
-    if any(r.failed for r in results):
+    broken = [r for r in results if r.failed]
+    for r in broken:
+        console.print(f"[red]broken:[/] {escape(r.dashboard)} / {escape(r.panel)} {r.ref}: "
+                      f"{escape(r.error)}\n  query: {escape(r.expr)}", soft_wrap=True)
+    if broken:
+        console.print(f"{len(broken)} panel quer{'y' if len(broken) == 1 else 'ies'} rejected by "
+                      "Prometheus: fix the query (its definition in dashboards/*.py, then "
+                      "`raydeck dashboards render`; or the --var value) (exit 1)")
         raise typer.Exit(EXIT_CHECK_FAILED)
+    waiting = counts[NO_DATA_YET]
+    console.print("every query is valid" + (
+        f"; {waiting} return no data yet: they fill in once something exports the metrics "
+        "named above" if waiting else ""))

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from raydeck.cli._console import console, setup_logging
+from raydeck.cli._console import console, run_link_lines, setup_logging
 
 if TYPE_CHECKING:
     from raydeck.tracking import Tracker
@@ -50,7 +50,6 @@ def demo(
                                     help="Register the trained model as a new version of NAME."),
 ) -> None:
     """Train a digits classifier on a local Ray cluster with 2 workers, tracked in MLflow."""
-    from raydeck._internal.redaction import redact_url
     from raydeck.config.settings import load_settings
     from raydeck.examples.digits import run_digits
     from raydeck.train.presets import get_preset
@@ -66,7 +65,6 @@ def demo(
     run = run_digits(preset=preset, config={"epochs": epochs}, run_name=run_name,
                      settings=settings, watch=_progress_watcher(epochs),
                      register_as=register_as)
-    uri = redact_url(run.tracking_uri)
     console.print(f"\n[bold green]done[/] in {run.wall_time_s:.0f} s")
     console.print(f"  MLflow run:          {run.run_id} ({run.run_name})")
     console.print(f"  validation accuracy: {run.val_accuracy:.3f}")
@@ -75,14 +73,8 @@ def demo(
     if run.registered_model_uri:
         console.print(f"  registered model:    {run.registered_model_uri}  (serve it: raydeck "
                       f"serve {run.registered_model_uri})", soft_wrap=True)
-    if uri.startswith(("http://", "https://")):
-        console.print(f"  open:                {uri}/#/experiments/{run.experiment_id}/runs/"
-                      f"{run.run_id}", soft_wrap=True)
-    else:
-        console.print(f"  open the MLflow UI:  mlflow ui --backend-store-uri {uri} --port 5000",
-                      soft_wrap=True)
-        console.print("                       then http://127.0.0.1:5000/#/experiments/"
-                      f"{run.experiment_id}/runs/{run.run_id}", soft_wrap=True)
+    for label, text in run_link_lines(run.tracking_uri, run.experiment_id, run.run_id):
+        console.print(f"  {label:<21}{text}", soft_wrap=True)
     if run.val_accuracy < TARGET_ACCURACY:
         console.print(f"[yellow]accuracy below {TARGET_ACCURACY}; try more --epochs[/]")
         raise typer.Exit(1)

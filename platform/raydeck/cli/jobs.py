@@ -5,19 +5,28 @@ from __future__ import annotations
 import datetime
 import logging
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from raydeck.cli._console import console, err_console, format_duration, setup_logging
+from raydeck.cli._console import (
+    add_columns,
+    console,
+    err_console,
+    format_duration,
+    print_json_rows,
+    print_table,
+    setup_logging,
+)
 
 if TYPE_CHECKING:
     from pathlib import Path
 
     from raydeck.config.settings import Settings
-    from raydeck.jobs.submission import JobRequest, JobServer
+    from raydeck.jobs.submission import JobRequest, JobServer, JobView, RunLink
+    from raydeck.scheduling.queue.job_view import JobView as QueuedJobView
 
 DEFAULT_RUNTIME_ENV = "runtime_envs/local.yaml"
 DEFAULT_PRESET = "cpu-2"
@@ -180,9 +189,11 @@ def submit(
         with console.status("waiting for the run's last data to land in MLflow..."):
             _wait_for_run_end(settings, request.run_id)
         from raydeck.models import register_run_model
+        from raydeck.storage import credentials_in_env
 
-        registered = register_run_model(settings.tracking.uri, run.mlflow_run_id, register_as,
-                                        "val_accuracy")
+        with credentials_in_env(settings.storage):
+            registered = register_run_model(settings.tracking.uri, run.mlflow_run_id,
+                                            register_as, "val_accuracy")
         console.print(f"  registered: {registered.uri}  (serve it: raydeck serve "
                       f"{registered.uri})", soft_wrap=True)
 
@@ -249,41 +260,82 @@ def _echo(chunk: str) -> None:
 def jobs(
     address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
     limit: int = typer.Option(20, min=1, help="How many recent jobs."),
+    drivers: bool = typer.Option(False, "--drivers", help="Also list the drivers of scripts "
+                                 "that connected with ray.init (`python train.py`, a "
+                                 "notebook), as `ray job list` does; raydeck's own commands "
+                                 "are never listed."),
+    json_output: bool = typer.Option(False, "--json", help="Print the jobs as a JSON array "
+                                     "(the queue's jobs that failed to start with type "
+                                     "QUEUED)."),
 ) -> None:
-    """List recent jobs of the cluster: status, duration and MLflow run."""
+    """List recent jobs of the cluster: status, duration and MLflow run.
+
+    A job is a submission to the job server (`raydeck submit`, `ray job submit`, the queue's
+    jobs): what `ray job logs` and `ray job stop` take. Ray also lists every process that
+    connected with ray.init as a job (type DRIVER); --drivers adds those, except the drivers
+    of raydeck's own commands (status, queue, jobs...), which are never jobs.
+    """
     from raydeck._internal.redaction import redact_text, redact_url
     from raydeck.config.settings import load_settings
     from raydeck.jobs.submission import JobServer, find_run, list_jobs
+    from raydeck.scheduling.queue.client import refused
 
     settings = load_settings()
     _quiet_logs(settings.log_level)
     server = JobServer.from_env(address)
-    views = list_jobs(server.client(), limit)
+    views = list_jobs(server.client(), limit, drivers=drivers)
+    runs = {view.run_id: find_run(settings.tracking.uri, settings.tracking.experiment,
+                                  view.run_id) for view in views if view.run_id}
+    if json_output:
+        print_json_rows([*(_job_row(view, runs.get(view.run_id)) for view in views),
+                         *(_never_started_row(job) for job in refused(settings))])
+        return
     table = Table(title=f"jobs on {redact_url(server.address)}")
-    for column in ("submission id", "status", "started", "duration", "entrypoint", "MLflow run"):
-        table.add_column(column, overflow="fold")
+    first = ("id", "type") if drivers else ("submission id",)
+    add_columns(table, *first, "status", "started", "duration", "entrypoint", "MLflow run",
+                whole=(first[0], "MLflow run"))
     for view in views:
-        run = (find_run(settings.tracking.uri, settings.tracking.experiment, view.run_id)
-               if view.run_id else None)
-        started = (datetime.datetime.fromtimestamp(view.started_s).strftime("%Y-%m-%d %H:%M:%S")
-                   if view.started_s else "-")
+        run = runs.get(view.run_id)
         link = "-" if run is None else (run.url or run.mlflow_run_id or f"run id {run.run_id}")
         # Entrypoints are whatever anyone submitted: a command line may hold a credential.
-        table.add_row(view.submission_id, view.status, started, format_duration(view.duration_s),
-                      redact_text(view.entrypoint), link)
+        table.add_row(escape(view.id), *((view.type,) if drivers else ()), view.status,
+                      _clock(view.started_s), format_duration(view.duration_s),
+                      escape(redact_text(view.entrypoint)), escape(link))
     if not views:
         err_console.print("no jobs yet")
-    console.print(table)
-    from raydeck.scheduling.queue.client import refused
-
-    never_started = refused(settings)
+    print_table(table)
+    never_started = refused(settings)  # the queue's answer may take seconds: after the table
     if never_started:
         failed = Table(title="queued jobs that failed to start (`raydeck cancel` clears them)")
-        for column in ("job", "status", "submitted", "entrypoint", "reason"):
-            failed.add_column(column, overflow="fold")
+        add_columns(failed, "job", "status", "submitted", "entrypoint", "reason", whole=("job",))
         for job in never_started:
-            submitted = datetime.datetime.fromtimestamp(job.submitted_at).strftime(
-                "%Y-%m-%d %H:%M:%S")
-            failed.add_row(escape(job.id), "FAILED", submitted, redact_text(job.entrypoint),
-                           escape(job.reason))
-        console.print(failed)
+            failed.add_row(escape(job.id), "FAILED", _clock(job.submitted_at),
+                           escape(redact_text(job.entrypoint)), escape(job.reason))
+        print_table(failed)
+
+
+def _clock(at_s: float | None) -> str:
+    return (datetime.datetime.fromtimestamp(at_s).strftime("%Y-%m-%d %H:%M:%S")
+            if at_s else "-")
+
+
+def _job_row(view: JobView, run: RunLink | None) -> dict[str, Any]:
+    """One job of ``raydeck jobs --json``."""
+    from raydeck._internal.redaction import redact_text
+
+    return {"id": view.id, "type": view.type, "submission_id": view.submission_id,
+            "job_id": view.job_id, "status": view.status, "started_s": view.started_s,
+            "duration_s": view.duration_s, "entrypoint": redact_text(view.entrypoint),
+            "message": redact_text(view.message), "run_id": view.run_id,
+            "mlflow_run_id": run.mlflow_run_id if run else "",
+            "mlflow_run_url": run.url if run else ""}
+
+
+def _never_started_row(job: QueuedJobView) -> dict[str, Any]:
+    """A queued job the job server refused, as ``raydeck jobs --json`` lists it."""
+    from raydeck._internal.redaction import redact_text
+
+    return {"id": job.id, "type": "QUEUED", "submission_id": job.submission_id, "job_id": "",
+            "status": "FAILED", "started_s": None, "duration_s": None,
+            "entrypoint": redact_text(job.entrypoint), "message": redact_text(job.reason),
+            "run_id": "", "mlflow_run_id": "", "mlflow_run_url": ""}

@@ -8,7 +8,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from raydeck.cli._console import console, err_console, setup_logging
+from raydeck.cli._console import add_columns, console, err_console, print_table, setup_logging
 
 app = typer.Typer(help="Registered models: list, show versions, promote with an alias.",
                   no_args_is_help=True)
@@ -39,14 +39,14 @@ def list_models() -> None:
         err_console.print("no registered models yet (train with --register-as NAME)")
         return
     table = Table(title="registered models")
-    for column in ("name", "latest version", "aliases", "updated"):
-        table.add_column(column, overflow="fold")
+    add_columns(table, "name", "latest version", "aliases", "updated",
+                whole=("name", "latest version"))
     for model in models:
         latest = max((int(v.version) for v in model.latest_versions or []), default=None)
         aliases = ", ".join(f"@{a} -> {v}" for a, v in sorted((model.aliases or {}).items()))
         table.add_row(escape(model.name), str(latest or "-"), aliases or "-",
                       _when(model.last_updated_timestamp))
-    console.print(table)
+    print_table(table)
 
 
 @app.command("show")
@@ -65,9 +65,9 @@ def show(name: str = typer.Argument(..., help="Registered model name.")) -> None
     aliases: dict[str, list[str]] = {}
     for alias, version in (client.get_registered_model(name).aliases or {}).items():
         aliases.setdefault(str(version), []).append(f"@{alias}")
-    table = Table(title=f"model {name}")
-    for column in ("version", "aliases", "run", "git commit", "metric", "created"):
-        table.add_column(column, overflow="fold")
+    table = Table(title=f"model {escape(name)}")
+    add_columns(table, "version", "aliases", "run", "git commit", "metric", "created",
+                whole=("version", "run", "git commit"))
     for version in sorted(versions, key=lambda v: int(v.version), reverse=True):
         tags = version.tags or {}
         metrics = ", ".join(f"{k.removeprefix(METRIC_TAG_PREFIX)} {v}"
@@ -75,7 +75,7 @@ def show(name: str = typer.Argument(..., help="Registered model name.")) -> None
         table.add_row(str(version.version), " ".join(aliases.get(str(version.version), [])) or "-",
                       tags.get(RUN_TAG, version.run_id or "-"), tags.get(COMMIT_TAG, "-")[:12],
                       metrics or "-", _when(version.creation_timestamp))
-    console.print(table)
+    print_table(table)
 
 
 @app.command("promote")

@@ -5,20 +5,30 @@ queue's rule (raydeck.scheduling.queue.access, docs/scheduling.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.markup import escape
 from rich.table import Table
 
-from raydeck.cli._console import console, err_console, format_duration, setup_logging
+from raydeck.cli._console import (
+    add_columns,
+    console,
+    err_console,
+    format_duration,
+    print_json_rows,
+    print_table,
+    setup_logging,
+)
 
 if TYPE_CHECKING:
     from raydeck.config.settings import Settings
     from raydeck.jobs.submission import JobServer
+    from raydeck.scheduling.queue.listing import Entry
 
 
 def _context(address: str | None) -> tuple[Settings, JobServer]:
@@ -68,6 +78,8 @@ def queue(
                                           "members: [USER], max_priority: 5}, and admins: "
                                           "[USER] (only they may change it)."),
     address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
+    json_output: bool = typer.Option(False, "--json", help="Print the queue's jobs as a JSON "
+                                     "array (after any change the options make)."),
 ) -> None:
     """Show the queue: position, predicted start, why each job waits and an elastic job's size
     (`workers 1 of 1-4`); change its settings (kept by the queue until changed again)."""
@@ -91,14 +103,16 @@ def queue(
         parse_thresholds(thresholds) if thresholds is not None else None,
         _seconds("--min-run", min_run))
     described, entries = listing(settings, server, change)
+    if json_output:
+        print_json_rows([_entry_row(entry) for entry in entries])
+        return
     now = time.time()
     table = Table(title=f"queue ({described})")
     # Attained-service policies (las, gittins) rank by the service a job has had, not by
     # its expected duration: show that service and where it ranks the job.
     ranked = any(entry.rank for entry in entries)
-    for column in ("#", "job", "team", "by", "prio", "needs", "state", "waited", "expected",
-                   *(("service", "rank") if ranked else ()), "start", "why"):
-        table.add_column(column, overflow="fold")
+    add_columns(table, "#", "job", "team", "by", "prio", "needs", "state", "waited", "expected",
+                *(("service", "rank") if ranked else ()), "start", "why", whole=("job",))
     for entry in entries:
         job = entry.job
         needs = f"{job.gpus:g} GPU, {job.cpus:g} CPU" if job.gpus else f"{job.cpus:g} CPU"
@@ -113,7 +127,18 @@ def queue(
                       escape(entry.why))
     if not entries:
         err_console.print("the queue is empty")
-    console.print(table)
+    print_table(table)
+
+
+def _entry_row(entry: Entry) -> dict[str, Any]:
+    """One job of ``raydeck queue --json``: the job's fields (its entrypoint redacted), where
+    it is, when it is predicted to start and why it waits."""
+    from raydeck._internal.redaction import redact_text
+
+    job = dataclasses.asdict(entry.job)
+    job["entrypoint"] = redact_text(entry.job.entrypoint)
+    return {**job, "position": entry.position, "predicted_start_s": entry.predicted_start_s,
+            "why": entry.why, "service": entry.service, "rank": entry.rank}
 
 
 def cancel(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -12,7 +13,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from raydeck.cli._console import console, err_console, setup_logging
+from raydeck.cli._console import add_columns, console, err_console, print_table, setup_logging
 from raydeck.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -97,9 +98,11 @@ def _write_config(options: ServeOptions, path: Path) -> None:
     from raydeck.config.settings import load_settings
     from raydeck.models import resolve_model_uri
     from raydeck.serving import serve_config
+    from raydeck.storage import credentials_in_env
 
     settings = load_settings()
-    resolve_model_uri(options.model_uri, settings.tracking.uri)
+    with credentials_in_env(settings.storage):
+        resolve_model_uri(options.model_uri, settings.tracking.uri)
     path.write_text(yaml.safe_dump(serve_config(options, settings), sort_keys=False))
     console.print(f"wrote {path}: deploy it with `serve deploy {path}` (the cluster's nodes "
                   "need raydeck installed and RAYDECK_TRACKING_URI set)", soft_wrap=True)
@@ -139,25 +142,34 @@ def _started_ray_here() -> bool:
     return bool(node is not None and node.head and not os.environ.get("RAY_ADDRESS"))
 
 
+def _quiet_serve() -> None:
+    """Keep Ray Serve's own INFO lines (``Started <...SharedRouterLongPollClient ...>``) out of
+    a command that prints its own answer: importing Serve sets its logger to INFO."""
+    import ray.serve  # noqa: F401  (configures the "ray.serve" logger on import)
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)
+
+
 def _status(address: str) -> None:
     from raydeck.cluster.connection import connect_running
     from raydeck.serving import status
 
     connect_running(address)
+    _quiet_serve()
     rows = status()
     if not rows:
         err_console.print("no Serve applications are running")
         return
     table = Table(title="Serve applications")
-    for column in ("application", "status", "replicas", "model", "version", "rejected"):
-        table.add_column(column, overflow="fold")
+    add_columns(table, "application", "status", "replicas", "model", "version", "rejected",
+                whole=("application", "model", "version"))
     for row in rows:
         replicas = ", ".join(f"{n} {s.lower()}" for s, n in row.get("replicas", {}).items())
         rejected = "; ".join(f"v{v}: {why}" for v, why in row.get("rejected", {}).items())
         table.add_row(row["name"], row["status"], replicas or "-",
                       escape(str(row.get("model_uri", row.get("error", "-")))),
                       str(row.get("version") or "-"), escape(rejected) or "-")
-    console.print(table)
+    print_table(table)
 
 
 def _stop(address: str, name: str | None) -> None:
@@ -165,5 +177,8 @@ def _stop(address: str, name: str | None) -> None:
     from raydeck.serving import stop
 
     connect_running(address)
-    deleted = stop(name)
+    _quiet_serve()
+    with console.status(f"stopping {name or 'every application'} (Serve shuts down, its HAProxy "
+                        "listener too, when nothing is left serving)..."):
+        deleted = stop(name)
     console.print(f"deleted {', '.join(deleted)}" if deleted else "nothing was running")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from raydeck.cli._console import console
+from raydeck.cli._console import add_columns, print_table
 
 app = typer.Typer(help="Show raydeck's settings.", no_args_is_help=False)
 
@@ -29,12 +29,10 @@ def show(
         return
     settings, origins = load_settings_with_origins()
     table = Table(title="raydeck settings")
-    table.add_column("variable")
-    table.add_column("value")
-    table.add_column("from")
+    add_columns(table, "variable", "value", "from", whole=("variable", "value"))
     flat = settings.to_env()
     secret_shown = "******** (set)" if settings.storage.secret_access_key else ""
     for var, _key, _default, _doc in settings_reference():
         # Only secrets are missing from to_env(); they are never shown.
         table.add_row(var, flat.get(var, secret_shown), origins[var])
-    console.print(table)
+    print_table(table)

@@ -18,9 +18,11 @@ from rich.table import Table
 
 from raydeck.cli._console import (
     EXIT_USER_ERROR,
+    add_columns,
     console,
     err_console,
     format_duration,
+    print_table,
     setup_logging,
 )
 
@@ -60,8 +62,8 @@ def _parse_ports(values: list[str]) -> dict[str, int]:
 def _table(rows: Iterable[ServiceStatus]) -> Table:
     colours = {"running": "green", "unhealthy": "yellow", "crashed": "red", "stopped": "dim"}
     table = Table(title="raydeck stack")
-    for column in ("service", "state", "pid", "port", "url", "memory", "up"):
-        table.add_column(column, overflow="fold")
+    add_columns(table, "service", "state", "pid", "port", "url", "memory", "up",
+                whole=("service", "url"))
     for row in rows:
         colour = colours.get(row.state, "white")
         table.add_row(row.name, f"[{colour}]{row.state}[/]", str(row.pid or "-"),
@@ -100,7 +102,7 @@ def up(
     console.print(f"[bold]raydeck up[/]: {stack.paths.root}", soft_wrap=True)
     report = stack.up(ports=_parse_ports(port), free_ports=free_ports,
                       postgres_bin=postgres_bin, num_cpus=num_cpus)
-    console.print(_table(report.services))
+    print_table(_table(report.services))
     urls = {name: url for row in report.services for name, url in row.urls.items()}
     console.print(f"[bold green]stack up[/] in {report.wall_time_s:.1f} s "
                   f"({len(report.started)} started); idle memory "
@@ -142,7 +144,7 @@ def ps() -> None:
     """Each service's state, PID, port, URL, memory and uptime; exit 2 if one crashed."""
     stack = _stack()
     rows = stack.status()
-    console.print(_table(rows))
+    print_table(_table(rows))
     console.print(_postgres_data_line(stack), soft_wrap=True, highlight=False)
     total = sum(row.memory_bytes for row in rows)
     if total:

@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from raydeck.cli._console import EXIT_USER_ERROR, console, err_console
+from raydeck.cli._console import EXIT_USER_ERROR, add_columns, console, err_console, print_table
 
 
 def _ray_rows(address: str, namespace: str) -> tuple[list[tuple[str, str, str]], str | None]:
@@ -101,8 +101,7 @@ def status() -> None:
     settings = load_settings()
     problems: list[str] = []
     table = Table(title="raydeck status")
-    for column in ("component", "target/state", "detail"):
-        table.add_column(column)
+    add_columns(table, "component", "target/state", "detail", whole=("target/state",))
     with console.status("checking..."):
         ray_rows, ray_problem = _ray_rows(settings.ray_address, settings.ray_namespace)
         mlflow_row, mlflow_problem = _mlflow_row(settings.tracking.uri)
@@ -110,7 +109,7 @@ def status() -> None:
     for row in [*ray_rows, mlflow_row, *storage_rows]:
         # Every cell may quote an address: none may show its user-info.
         table.add_row(*(redact_text(cell) for cell in row))
-    console.print(table)
+    print_table(table)
     problems = [p for p in (ray_problem, mlflow_problem, storage_problem) if p]
     for problem in problems:
         err_console.print(f"[bold red]error:[/] {escape(redact_text(problem))}",

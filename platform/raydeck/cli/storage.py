@@ -10,7 +10,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from raydeck.cli._console import console, setup_logging
+from raydeck.cli._console import add_columns, console, print_table, setup_logging
 
 app = typer.Typer(help="Set up object storage (MinIO or any S3).", no_args_is_help=True)
 
@@ -33,9 +33,9 @@ def init(
         reports = init_buckets(storage, probe=probe)
     table = Table(title=f"object storage at {endpoint} "
                         f"(access key id {storage.access_key_id})")
-    for column in ("role", "bucket", "state", "probe", "location"):
-        table.add_column(column)
+    add_columns(table, "role", "bucket", "state", "probe", "location",
+                whole=("bucket", "location"))
     for report in reports:
         state = "[green]created[/]" if report.created else "exists"
         table.add_row(report.role, report.bucket, state, report.probe or "skipped", report.uri)
-    console.print(table, soft_wrap=True)
+    print_table(table)

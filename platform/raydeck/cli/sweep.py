@@ -9,7 +9,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from raydeck.cli._console import console, setup_logging
+from raydeck.cli._console import add_columns, console, print_table, run_link_lines, setup_logging
 
 DEFAULT_JOB = "raydeck.examples.digits:digits_sweep_job"
 DEFAULT_SPACE = "jobs/sweep_digits.yaml"
@@ -83,14 +83,15 @@ def sweep(
         result = run_sweep(sweep_job, search_space, config, settings=settings, resume=resume)
     table = Table(title=f"sweep {name} ({result.wall_time_s:.0f} s, "
                         f"{result.trial_iterations} trial-iterations)")
-    for column in ("trial", "status", "iterations", f"best {metric}", "MLflow run"):
-        table.add_column(column)
+    # The score column is named as the child runs' metric, so MLflow sorts them the same way.
+    add_columns(table, "trial", "status", "iterations", result.best_metric, "MLflow run",
+                whole=("trial", "MLflow run"))
     for trial in sorted(result.trials, key=lambda t: t.trial_id):
         score = "-" if trial.best_score is None else f"{trial.best_score:.4f}"
         status = trial.status + (f" (rung {trial.rung})" if trial.rung else "") + (
             f": {trial.error}" if trial.error else "")
         table.add_row(trial.trial_id, status, str(trial.stop_iteration), score, trial.run_id)
-    console.print(table)
+    print_table(table)
     counts = ", ".join(f"{result.count(s)} {s}" for s in ("completed", "stopped_early",
                                                          "errored") if result.count(s))
     console.print(f"trials: {counts}", soft_wrap=True)
@@ -98,8 +99,12 @@ def sweep(
         usage = result.slot_usage
         console.print(f"slots: {usage.slots}, idle {100 * usage.idle_fraction:.0f}% of slot "
                       f"time, trial start-up {usage.startup_s:.2f} s", soft_wrap=True)
-    console.print(f"best trial {result.best_trial_id}: {config.metric} {result.best_score:.4f} "
-                  f"with {result.best_config}", soft_wrap=True)
-    console.print(f"sweep run: {result.parent_run_id}")
+    console.print(f"best trial {result.best_trial_id}: {result.best_metric} "
+                  f"{result.best_score:.4f} with {result.best_config}", soft_wrap=True)
+    console.print(f"sweep run: {result.parent_run_id} ({name}); MLflow ranks its child runs as "
+                  f"above by metrics.{result.best_metric}", soft_wrap=True)
+    for label, text in run_link_lines(settings.tracking.uri, result.experiment_id,
+                                      result.parent_run_id):
+        console.print(f"{label} {text}".strip(), soft_wrap=True)
     if result.registered_model_uri:
         console.print(f"registered model: {result.registered_model_uri}", soft_wrap=True)

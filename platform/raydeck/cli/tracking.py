@@ -8,7 +8,7 @@ from typing import Any
 import typer
 from rich.table import Table
 
-from raydeck.cli._console import console
+from raydeck.cli._console import add_columns, console, print_table
 from raydeck.config.settings import Settings
 
 app = typer.Typer(help="Inspect or stop the tracking proxy.", no_args_is_help=True)
@@ -40,22 +40,17 @@ def status() -> None:
         return
     info = ray.get(router.status.remote(), timeout=STATUS_TIMEOUT_S)
     runs = Table(title="runs")
-    runs.add_column("key", no_wrap=True)
-    runs.add_column("MLflow run", no_wrap=True, min_width=32)
-    for column in ("name", "mode", "processes", "primary", "state"):
-        runs.add_column(column, overflow="fold")
+    add_columns(runs, "key", "MLflow run", "name", "mode", "processes", "primary", "state",
+                whole=("key", "MLflow run"))
     for run in info["runs"]:
         runs.add_row(run["key"], run["run_id"] or "(not created yet)", run["name"], run["mode"],
                      str(run["participants"]), run["primary"], run["state"])
     shards = Table(title="shards")
-    for column in ("shard", "state", "received", "written", "queued", "spool bytes",
-                   "found at start", "set aside", "errors", "last error"):
-        shards.add_column(column)
+    add_columns(shards, "shard", "state", "received", "written", "queued", "spool bytes",
+                "found at start", "set aside", "errors", "last error")
     queues = Table(title="runs with data pending or set aside")
-    queues.add_column("shard")
-    queues.add_column("run key", no_wrap=True)
-    for column in ("pending", "set aside", "state", "last error"):
-        queues.add_column(column, overflow="fold")
+    add_columns(queues, "shard", "run key", "pending", "set aside", "state", "last error",
+                whole=("run key",))
     for s in info["shards"]:
         shards.add_row(str(s.get("index")), str(s.get("state")),
                        str(s.get("points_received", "")), str(s.get("points_written", "")),
@@ -67,14 +62,14 @@ def status() -> None:
             queues.add_row(str(s["index"]), run["key"], run["pending"] or "-",
                            str(run["dead_letters"]), run["state"],
                            redact_text(run["last_error"])[:80])
-    console.print(runs)
-    console.print(shards)
+    print_table(runs)
+    print_table(shards)
     if queues.row_count:
-        console.print(queues)
+        print_table(queues)
     letters = Table(title="set aside for good (never retried; recorded on the run as the tag "
                     "raydeck.dead_letters and the artifact raydeck/dead_letters.json)")
-    for column in ("run key", "kind", "key", "reason", "bytes kept at"):
-        letters.add_column(column)
+    add_columns(letters, "run key", "kind", "key", "reason", "bytes kept at",
+                whole=("run key", "key", "bytes kept at"))
     for s in info["shards"]:
         if not s.get("dead_letters"):
             continue
@@ -83,7 +78,7 @@ def status() -> None:
             letters.add_row(letter.run_key, letter.kind, letter.key,
                             redact_text(letter.reason)[:120], letter.kept_at or "-")
     if letters.row_count:
-        console.print(letters)
+        print_table(letters)
 
 
 @app.command("stop")

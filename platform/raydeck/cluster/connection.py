@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from raydeck._internal import contract
 from raydeck._internal.environ import environment
 from raydeck.cluster.serve_ingress import local_node_env
 from raydeck.config.settings import Settings, load_settings
@@ -48,6 +49,9 @@ PROBE_TIMEOUT_S = 3.0
 # suffice (the same crash, exit -11), so a command's driver also leaves without Ray's teardown
 # (leave_as_command_driver) and C++'s (raydeck.cli.main).
 COMMAND_DRIVER_ENV = {"RAY_enable_metrics_collection": "0"}
+# Every Ray job that connects is listed by Ray's job server (`ray job list`) as a DRIVER job,
+# a command's as much as a training script's; a command's says what it is.
+COMMAND_DRIVER_METADATA = {contract.JOB_KIND_METADATA: contract.COMMAND_DRIVER_KIND}
 # Whether this process connected through connect_existing (a command's driver).
 _command_driver = False
 
@@ -281,12 +285,16 @@ def _refuse_a_stale_ray_record() -> None:
 
 def connect_existing(address: str) -> None:
     """Connect to an already running cluster to inspect it; never starts one. The driver
-    exports no metrics (``COMMAND_DRIVER_ENV``): a command must not crash as it exits.
+    exports no metrics (``COMMAND_DRIVER_ENV``): a command must not crash as it exits. Its Ray
+    job carries the metadata ``raydeck_kind=command`` (:data:`COMMAND_DRIVER_METADATA`), so
+    that ``raydeck jobs`` never lists a command as a job (except through Ray Client, which
+    takes no job config from its caller).
 
     Raises:
         ClusterUnavailableError: nothing answers at ``address`` (``auto``: no cluster found).
     """
     import ray
+    from ray.job_config import JobConfig
 
     if address == "auto" and not os.environ.get("RAY_ADDRESS"):
         _refuse_a_stale_ray_record()
@@ -294,8 +302,15 @@ def connect_existing(address: str) -> None:
     if reason is None:
         use_stack_auth(address)
         try:
+            # Through Ray Client (ray://) the driver is the client server's, on the head, and
+            # Ray Client sends ray.init's arguments as JSON, which a JobConfig is not: such a
+            # command's driver is unmarked, and listed only by `raydeck jobs --drivers`.
             with environment(COMMAND_DRIVER_ENV):
-                ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+                if address.startswith("ray://"):
+                    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
+                else:
+                    ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False,
+                             job_config=JobConfig(metadata=dict(COMMAND_DRIVER_METADATA)))
             global _command_driver
             _command_driver = True
             return

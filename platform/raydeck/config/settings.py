@@ -56,6 +56,7 @@ ORIGIN_DEFAULT = "default"
 
 TrackingMode = Literal["rank_zero", "all_ranks", "per_rank"]
 NonFinitePolicy = Literal["keep", "error"]
+SystemMetricsPolicy = Literal["auto", "on", "off"]
 
 RUN_KEY_PATTERN = re.compile(r"^[\w.\-]{1,128}$")
 _URI_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql", "http", "https", "file", "databricks")
@@ -114,6 +115,9 @@ class TrackingSettings(Section):
     retry_max_s: float = setting(
         5.0, "Longest wait between two tries of a failed write (backoff doubles up to it)")
     idle_timeout_s: float = setting(900.0, "The proxy stops itself after this long with no work")
+    system_metrics: str = setting(
+        "auto", "auto: raydeck's trackers sample system metrics, runs of MLflow's API through a "
+        "raydeck URI only when MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING is on; on: both; off: none")
     system_metrics_interval_s: float = setting(10.0, "System metrics sampling period; 0 is off")
     capture_logs: bool = setting(
         True, "Upload each rank's stdout/stderr as logs/rank_<i>/part-<id>.txt")
@@ -149,6 +153,9 @@ class TrackingSettings(Section):
                 raise self._reject(name, "must be > 0 seconds")
         if self.mlflow_timeout_s < 1:  # MLflow reads MLFLOW_HTTP_REQUEST_TIMEOUT as whole seconds
             raise self._reject("mlflow_timeout_s", "must be >= 1 (whole seconds)")
+        if self.system_metrics not in get_args(SystemMetricsPolicy):
+            raise self._reject("system_metrics",
+                               f"must be one of {', '.join(get_args(SystemMetricsPolicy))}")
         if self.system_metrics_interval_s < 0:
             raise self._reject("system_metrics_interval_s", "must be >= 0 (0 turns it off)")
 

@@ -33,6 +33,7 @@ from typing import Any
 from raydeck._internal.atomic_file import atomic_write
 from raydeck.config.secrets import Secret
 from raydeck.config.stack_credentials import read as read_credentials
+from raydeck.config.tracking_uri import unwrap_tracking_uri
 from raydeck.errors import ConfigError, StackError
 
 # MLflow's own variable: the tracking URI when raydeck's settings name none; it wins over
@@ -166,7 +167,8 @@ def settings_document(env: Mapping[str, str] | None = None) -> dict[str, Any]:
 
     ``ray_address`` is left out when ``RAY_ADDRESS`` is set: a process told where its cluster
     is (a Ray job's driver, a user's shell) keeps it. ``[tracking].uri`` is left out when
-    ``MLFLOW_TRACKING_URI`` is set, for the same reason (MLflow's own variable).
+    ``MLFLOW_TRACKING_URI`` names a backend, for the same reason (MLflow's own variable); a
+    bare ``raydeck://`` names none (it means raydeck's configured backend: this stack's).
     """
     env = os.environ if env is None else env
     connection = read(env)
@@ -176,7 +178,8 @@ def settings_document(env: Mapping[str, str] | None = None) -> dict[str, Any]:
                 for key, value in connection.settings.items()}
     if env.get("RAY_ADDRESS"):
         document.pop("ray_address", None)
-    if env.get(MLFLOW_TRACKING_URI_ENV, "").strip() and isinstance(document.get("tracking"), dict):
+    named = unwrap_tracking_uri(env.get(MLFLOW_TRACKING_URI_ENV, "").strip())
+    if named and isinstance(document.get("tracking"), dict):
         document["tracking"].pop("uri", None)
     secret = connection.s3_secret()
     if secret and "storage" in document:

@@ -318,9 +318,11 @@ def run_digits(
     registered = None
     if register_as:
         from raydeck.models import register_run_model
+        from raydeck.storage import credentials_in_env
 
-        registered = register_run_model(settings.tracking.uri, run.run_id, register_as,
-                                        "val_accuracy").uri
+        with credentials_in_env(settings.storage):
+            registered = register_run_model(settings.tracking.uri, run.run_id, register_as,
+                                            "val_accuracy").uri
     return dataclasses.replace(run, wall_time_s=time.perf_counter() - started,
                                registered_model_uri=registered)
 

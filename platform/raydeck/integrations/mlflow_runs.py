@@ -23,6 +23,10 @@ and the rule that decides what ``mlflow.start_run()`` (the store's ``create_run`
   process may exit or be killed right after any call. A guest's own ``set_terminated`` waits
   until the run's data is in MLflow and ends the run only if no process holds it.
 
+System metrics: MLflow logs them only when asked, so a run this plugin binds samples them (as
+raydeck's tracker does, one node view per node) only when MLflow's own switch is on or raydeck's
+``RAYDECK_TRACKING_SYSTEM_METRICS`` says ``on`` (:func:`system_metrics_interval_s`).
+
 Does not own the MLflow store interface (:mod:`raydeck.integrations.mlflow_store`) nor any
 delivery: writes go through :class:`~raydeck.tracking.Tracker`, the same client raydeck's own
 calls use.
@@ -30,6 +34,7 @@ calls use.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -37,6 +42,10 @@ from collections.abc import Callable
 from typing import Any
 
 from mlflow.entities import RunTag, ViewType
+from mlflow.environment_variables import (
+    MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING,
+    MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL,
+)
 from mlflow.exceptions import MlflowException
 from mlflow.protos.databricks_pb2 import TEMPORARILY_UNAVAILABLE
 from mlflow.store.tracking.abstract_store import AbstractStore
@@ -44,7 +53,7 @@ from mlflow.utils.mlflow_tags import MLFLOW_RUN_NAME
 
 from raydeck.cluster.connection import connect
 from raydeck.config.settings import Settings
-from raydeck.errors import TrackingUnavailableError, TrackingWriteError
+from raydeck.errors import ConfigError, TrackingUnavailableError, TrackingWriteError
 from raydeck.tracking import Tracker, get_tracker
 from raydeck.tracking.client.attach import attach_guest
 from raydeck.tracking.client.context import detect_process
@@ -58,6 +67,39 @@ RUN_ID_POLL_INTERVAL_S = 0.2
 RUN_ID_WAIT_S = 60.0
 RUN_KEY_TAG = "raydeck.run_key"
 TERMINAL_STATUSES = frozenset({"FINISHED", "FAILED", "KILLED"})
+
+
+def system_metrics_interval_s(settings: Settings) -> float:
+    """How often a run bound through the plugin samples system metrics; 0: never.
+
+    ``RAYDECK_TRACKING_SYSTEM_METRICS``: ``off`` never, ``on`` always, ``auto`` (the default) as
+    MLflow decides for a run of its own: only when ``MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING`` is on
+    (what ``mlflow.enable_system_metrics_logging()`` sets), read with MLflow's own reader when
+    the run starts, as ``mlflow.start_run`` reads it. The period is MLflow's
+    ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` when MLflow's switch decided and that is set
+    (MLflow's reading: 0 is unset), else ``RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S``, whose
+    0 turns sampling off whatever else says.
+
+    Raises:
+        ConfigError: one of MLflow's two variables holds a value MLflow cannot read, or a
+            negative interval (the message names it).
+    """
+    tracking = settings.tracking
+    if tracking.system_metrics == "off" or tracking.system_metrics_interval_s == 0:
+        return 0.0
+    if tracking.system_metrics == "on":
+        return tracking.system_metrics_interval_s
+    try:
+        if not MLFLOW_ENABLE_SYSTEM_METRICS_LOGGING.get():
+            return 0.0
+        interval_s = MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get()
+    except ValueError as exc:  # MLflow's reader names the variable and what it holds
+        raise ConfigError(f"{exc}; set it as MLflow documents, or unset it") from exc
+    if interval_s is not None and interval_s < 0:
+        raise ConfigError(f"{MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.name} = {interval_s!r}: "
+                          "must be a period in seconds > 0 (or unset: "
+                          "RAYDECK_TRACKING_SYSTEM_METRICS_INTERVAL_S)")
+    return float(interval_s or tracking.system_metrics_interval_s)
 
 
 class PluginRuns:
@@ -82,17 +124,18 @@ class PluginRuns:
             MlflowException: the backend refused the run or could not be reached, or the
                 context's run did not appear in MLflow within ``RUN_ID_WAIT_S``.
         """
+        settings = self._run_settings()  # a bad MLflow variable fails before the run exists
         connect(self._settings)
         process = detect_process()
-        if not (process.train_run_name or process.trial_id or self._settings.run_id):
+        if not (process.train_run_name or process.trial_id or settings.run_id):
             run = self._backend.create_run(experiment_id, user_id, start_time, tags, run_name)
-            self.start(run.info.run_id)
+            self.start(run.info.run_id, settings)
             return run
         # The caller's MLflow experiment, for a run this call creates (a run that exists, e.g.
         # made by a raydeck driver, keeps its own).
         experiment = str(self._backend.get_experiment(experiment_id).name)
         try:
-            tracker = get_tracker(experiment=experiment, settings=self._settings)
+            tracker = get_tracker(experiment=experiment, settings=settings)
             run_id = tracker.run_id if tracker.active else self._wait_run_id(
                 tracker, experiment)
         except TrackingUnavailableError as exc:
@@ -115,19 +158,31 @@ class PluginRuns:
                 self._guest_run_ids.add(run_id)
             return tracker
 
-    def start(self, run_id: str) -> Tracker:
+    def start(self, run_id: str, settings: Settings | None = None) -> Tracker:
         """The tracker for ``run_id``, which this process started (``start_run``) or resumed
         (``start_run(run_id=...)``): a participant of the run, its writes buffered, and ``end``
         waits for them. A guest tracker this process had for the run leaves it first (its
-        writes are in the proxy already)."""
+        writes are in the proxy already). ``settings``: the run's (:meth:`_run_settings`), when
+        the caller has them already."""
+        settings = settings or self._run_settings()
+        # Ray (and a local Ray's runtime env) gets the store's settings, not this run's.
+        connect(self._settings)
         with self._lock:
             tracker = self._trackers.get(run_id)
             if tracker is None or run_id in self._guest_run_ids:
                 self._guest_run_ids.discard(run_id)
                 if tracker is not None:
                     tracker.finish(wait=False)
-                tracker = self._trackers[run_id] = get_tracker(run_id, settings=self._settings)
+                tracker = self._trackers[run_id] = get_tracker(run_id, settings=settings)
             return tracker
+
+    def _run_settings(self) -> Settings:
+        """The settings a run starting now gets: the store's, sampling system metrics as
+        :func:`system_metrics_interval_s` says at this moment."""
+        tracking = dataclasses.replace(
+            self._settings.tracking,
+            system_metrics_interval_s=system_metrics_interval_s(self._settings))
+        return dataclasses.replace(self._settings, tracking=tracking)
 
     def write(self, run_id: str, write: Callable[[Tracker], None]) -> None:
         """Apply ``write`` to ``run_id``'s tracker; a guest write returns once the proxy holds

@@ -44,11 +44,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from raydeck._internal.contract import JOB_DIGEST_ENV
+from raydeck._internal.contract import COMMAND_DRIVER_KIND, JOB_DIGEST_ENV, JOB_KIND_METADATA
 from raydeck._internal.redaction import redact_text, redact_url
 from raydeck.cluster.connection import unreachable_reason
 from raydeck.config.secrets import Secret
 from raydeck.config.stack_connection import token_for
+from raydeck.config.tracking_uri import run_url
 from raydeck.errors import ClusterUnavailableError, ConfigError, JobSubmissionError
 from raydeck.jobs.address import API_SERVER_ADDRESS_ENV, find_job_server, is_local_address
 
@@ -72,7 +73,7 @@ RUN_NAME_ENV = "RAYDECK_RUN_NAME"
 CONTRACT_OPTIONS = {"--preset": "preset", "--run-name": "run_name"}
 METADATA_RUN_ID = "raydeck_run_id"
 METADATA_PRESET = "raydeck_preset"
-METADATA_KIND = "raydeck_kind"
+METADATA_KIND = JOB_KIND_METADATA
 STATUS_POLL_INTERVAL_S = 1.0
 # A head that just started answers "No available agent to submit job" until its dashboard agent
 # registers (seconds); submissions retry that long.
@@ -363,9 +364,19 @@ def stream_logs(client: JobSubmissionClient, submission_id: str,
 
 
 # --- listing --------------------------------------------------------------------------------
+# Ray's JobType: a job its job server started (it has a submission id, logs, `ray job stop`),
+# or any other process that connected with ray.init.
+SUBMISSION = "SUBMISSION"
+DRIVER = "DRIVER"
+# Ray jobs raydeck starts for itself, never listed: the preflight probe and commands' drivers.
+_UNLISTED_KINDS = ("probe", COMMAND_DRIVER_KIND)
+
+
 @dataclass(frozen=True)
 class JobView:
-    """One job as ``raydeck jobs`` shows it."""
+    """One job as ``raydeck jobs`` shows it. ``type``: Ray's ``SUBMISSION`` (``raydeck submit``,
+    ``ray job submit``, the queue) or ``DRIVER`` (a script that called ``ray.init`` itself; its
+    ``submission_id`` is empty and ``id`` is Ray's job id)."""
 
     submission_id: str
     status: str
@@ -374,22 +385,39 @@ class JobView:
     duration_s: float | None
     run_id: str
     message: str
+    job_id: str = ""
+    type: str = SUBMISSION
+
+    @property
+    def id(self) -> str:
+        """What names the job: its submission id, else (a driver) Ray's job id."""
+        return self.submission_id or self.job_id
 
 
-def list_jobs(client: JobSubmissionClient, limit: int = 20) -> list[JobView]:
-    """The most recent jobs first, without raydeck's preflight probes."""
+def list_jobs(client: JobSubmissionClient, limit: int = 20, drivers: bool = False
+              ) -> list[JobView]:
+    """The most recent jobs first: submissions, and with ``drivers`` also the drivers of
+    scripts that connected with ``ray.init`` (as ``ray job list`` shows them).
+
+    Never raydeck's own: its preflight probes, and the drivers of its commands (``raydeck
+    status``, ``queue``, ``jobs``...), which Ray lists as drivers like any other but which
+    carry ``raydeck_kind=command`` (:func:`raydeck.cluster.connection.connect_existing`).
+    """
     views = []
     for job in client.list_jobs():
         metadata = job.metadata or {}
-        if metadata.get(METADATA_KIND) == "probe":
+        kind = str(getattr(job.type, "value", job.type))
+        if metadata.get(METADATA_KIND) in _UNLISTED_KINDS or (kind != SUBMISSION
+                                                              and not drivers):
             continue
         started = job.start_time / 1000 if job.start_time else None
         ended = job.end_time / 1000 if job.end_time else None
         duration = (ended or time.time()) - started if started else None
         views.append(JobView(
-            submission_id=str(job.submission_id or job.job_id), status=str(job.status.value),
+            submission_id=str(job.submission_id or ""), status=str(job.status.value),
             entrypoint=job.entrypoint, started_s=started, duration_s=duration,
             run_id=metadata.get(METADATA_RUN_ID, ""), message=job.message or "",
+            job_id=str(job.job_id or ""), type=kind,
         ))
     views.sort(key=lambda view: view.started_s or 0.0, reverse=True)
     return views[:limit]
@@ -425,7 +453,5 @@ def find_run(tracking_uri: str, experiment: str, run_id: str) -> RunLink:
     if not runs:
         return RunLink(run_id)
     info = runs[0].info
-    shown = redact_url(tracking_uri).rstrip("/")
-    url = (f"{shown}/#/experiments/{info.experiment_id}/runs/{info.run_id}"
-           if tracking_uri.startswith(("http://", "https://")) else "")
+    url = run_url(tracking_uri, info.experiment_id, info.run_id)
     return RunLink(run_id, info.run_id, url, info.status)

@@ -184,6 +184,16 @@ class PrometheusClient:
                   "step": f"{step_s:g}"}
         return self._result(self._get("/api/v1/query_range", params))
 
+    def metric_names(self, start_s: float, end_s: float) -> set[str]:
+        """Names of the metrics Prometheus holds series of between ``start_s`` and ``end_s``.
+
+        Prometheus answers from whole storage blocks, so a name may also have been seen a
+        little before ``start_s`` (hours at most); good enough to tell "nothing ever exported
+        this" from "exported, but not matching".
+        """
+        params = {"start": f"{start_s:.3f}", "end": f"{end_s:.3f}"}
+        return set(self._get("/api/v1/label/__name__/values", params)["data"])
+
     def rules(self) -> list[dict[str, Any]]:
         """Every loaded rule group with each rule's health and last evaluation error."""
         return list(self._get("/api/v1/rules", {})["data"]["groups"])

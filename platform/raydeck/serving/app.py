@@ -113,8 +113,10 @@ def deploy(options: ServeOptions, settings: Settings) -> ModelRef:
 
     from raydeck.cluster.connection import connect
     from raydeck.models import resolve_model_uri
+    from raydeck.storage import credentials_in_env
 
-    ref = resolve_model_uri(options.model_uri, settings.tracking.uri)
+    with credentials_in_env(settings.storage):
+        ref = resolve_model_uri(options.model_uri, settings.tracking.uri)
     # An unknown preset fails here, before anything reaches Ray.
     (application,) = serve_config(options, settings)["applications"]
     connect(settings, log_to_driver=False)
@@ -226,17 +228,30 @@ def status() -> list[dict[str, Any]]:
 
 
 def stop(name: str | None) -> list[str]:
-    """Delete one application (or, without a name, all of them); returns the names deleted."""
+    """Delete one application (or, without a name, all of them); returns the names deleted.
+
+    When nothing would be left serving, Serve itself shuts down: its controller, proxies and
+    the HAProxy listener go with the last application, in seconds. Deleting that application
+    alone would wait out its replicas' draining period (30 s under HAProxy, so that the ingress
+    stops sending to a replica before it stops) for an ingress nobody uses, and HAProxy kept
+    answering 404 on the port until the cluster stopped. With other applications still
+    serving, only the one is deleted, and that wait is what keeps their ingress correct.
+    """
     from ray import serve
 
-    names = list(serve.status().applications)
+    running = list(serve.status().applications)
+    names = running
     if name is not None:
-        if name not in names:
+        if name not in running:
             raise ConfigError(f"no Serve application named {name!r}; running: "
-                              f"{', '.join(names) or 'none'}")
+                              f"{', '.join(running) or 'none'}")
         names = [name]
+    if names and set(names) == set(running):
+        serve.shutdown()
+    else:
+        for each in names:
+            serve.delete(each)
     for each in names:
-        serve.delete(each)
         _drop_settings(each)
     return names
 

@@ -380,6 +380,9 @@ class RayHeadLauncher(Launcher):
             # Serve's ingress: HAProxy unless the shell that ran `up` says
             # RAY_SERVE_ENABLE_HA_PROXY=0 (or this machine has no HAProxy).
             **local_node_env(os.environ, haproxy_ports),
+            # Every Ray process's temporary files (checkpoint staging, a killed worker's
+            # leftovers) in the stack's Ray directory (Ray makes it first), which `down` removes.
+            "TMPDIR": str(ctx.paths.ray_temp_dir),
             # What the Ray dashboard's metrics view uses.
             "RAY_PROMETHEUS_HOST": ctx.url("prometheus"),
             "RAY_PROMETHEUS_NAME": "Prometheus (raydeck)",

@@ -155,9 +155,10 @@ SERVICES: tuple[ServiceSpec, ...] = (
         after=("mlflow",),
         # Ray's dashboard must start within 60 s by default, too short on a busy machine; the
         # drain on SIGTERM is off (RayHeadLauncher.environment says why); Serve's HAProxy gets
-        # ports of this stack's own (a container has the machine's to itself).
+        # ports of this stack's own, and Ray's processes a TMPDIR that `down` removes (a
+        # container has the machine's ports and temp directory to itself).
         local_env=(*RAYDECK_PROCESS_ENV, "RAY_DASHBOARD_STARTUP_TIMEOUT_S",
-                   "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", *HAPROXY_PORT_ENVS),
+                   "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", *HAPROXY_PORT_ENVS, "TMPDIR"),
         startup_timeout_s=300.0,
     ),
     ServiceSpec(

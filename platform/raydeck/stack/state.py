@@ -120,6 +120,8 @@ class StackPaths:
 
     @property
     def ray_temp_dir(self) -> Path:
+        """Ray's ``--temp-dir`` for the head (sessions, logs, sockets) and the ``TMPDIR`` of the
+        stack's Ray processes (its workers, the jobs' drivers): removed by ``down``."""
         return RAY_TEMP_ROOT / f"raydeck-{self.stack_id}"
 
 

@@ -391,9 +391,11 @@ class Stack:
             if not purge:
                 state.save(self.paths.state_file)
             self._remove_connection()
+            # What Ray, HAProxy and the jobs' processes left in the temp dir: nothing there
+            # outlives the stack (the services' logs stay in the state directory).
+            shutil.rmtree(self.paths.ray_temp_dir, ignore_errors=True)
             if purge:
                 shutil.rmtree(self.paths.root)
-                shutil.rmtree(self.paths.ray_temp_dir, ignore_errors=True)
                 deleted.append(self.paths.root)
                 outside = postgres.remove_outside(self.paths, state)
                 if outside is not None:

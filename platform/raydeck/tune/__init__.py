@@ -1,10 +1,11 @@
 """Hyperparameter sweeps: Ray Tune over a raydeck job, tracked as one parent run in MLflow.
 
 A sweep draws trials from a search space (:mod:`~raydeck.tune.space`), runs each as a Tune
-function trainable, single-process or as a ``TorchTrainer`` (:mod:`~raydeck.tune.trial`),
-schedules them with ASHA, FIFO or population-based training (:mod:`~raydeck.tune.scheduling`),
-records each trial as a child run with a truthful status (:mod:`~raydeck.tune.status`,
-:mod:`~raydeck.tune.monitor`), keeps its state where training keeps checkpoints
+function trainable, single-process or as a ``TorchTrainer`` (:mod:`~raydeck.tune.trial`,
+:mod:`~raydeck.tune.distributed`), schedules them with ASHA, FIFO or population-based training
+(:mod:`~raydeck.tune.scheduling`), records each trial as a child run with a truthful status
+(:mod:`~raydeck.tune.status`, :mod:`~raydeck.tune.monitor`) and its score, ``best_<metric>``
+(:mod:`~raydeck.tune.score`), keeps its state where training keeps checkpoints
 (:mod:`~raydeck.tune.experiment`), and ends with a summary on the parent run
 (:mod:`~raydeck.tune.summary`) and the best model registered (:mod:`~raydeck.tune.registry`).
 :func:`sweep` (:mod:`~raydeck.tune.driver`) runs it all; see ``docs/sweeps.md``.

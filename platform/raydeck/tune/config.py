@@ -101,6 +101,12 @@ class SweepConfig:
         """The parent run's key (deterministic, so ``--resume`` finds it)."""
         return f"sweep-{self.name}"
 
+    @property
+    def best_metric(self) -> str:
+        """``best_<metric>``: a trial's score (its best value of ``metric`` by ``mode``), as its
+        child run, the parent run and the summary name it."""
+        return f"best_{self.metric}"
+
     def trial_key(self, trial_id: str) -> str:
         """A trial's child run key; Tune keeps trial ids across a resume."""
         return f"{self.key}.{trial_id}"

@@ -461,8 +461,8 @@ def _finalize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any
         parent.set_tags({SWEEP_STATE_TAG: "registry_failed"})
         raise SweepFinalizeError(
             f"sweep {config.name!r}: the best trial {result.best_trial_id} (run "
-            f"{result.best_run_id}, {config.metric} {result.best_score:.4f}) is recorded on the "
-            f"sweep run {result.parent_run_id}, but registering it as "
+            f"{result.best_run_id}, {result.best_metric} {result.best_score:.4f}) is recorded "
+            f"on the sweep run {result.parent_run_id}, but registering it as "
             f"{config.register_model_as!r} failed ({error_line(exc)}); fix that and run {rerun} "
             "to register it (no trial re-runs)"
         ) from exc

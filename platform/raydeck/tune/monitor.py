@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import statistics
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 from raydeck._internal.redaction import redact_text
 from raydeck.tune.config import SweepConfig
+from raydeck.tune.score import best_of
 from raydeck.tune.status import COMPLETED, ERRORED, StatusPolicy, TrialOutcome
 
 logger = logging.getLogger(__name__)
@@ -139,9 +139,7 @@ class SweepMonitor:
             elif timing.last_result_at is not None:
                 timing.result_gaps.append(now - timing.last_result_at)
             timing.last_result_at = now
-            if isinstance(score, (int, float)) and not math.isnan(score):
-                better = max if self.config.mode == "max" else min
-                self._best = score if self._best is None else better(self._best, score)
+            self._best = best_of((self._best, score), self.config.mode)
         self._publish(trials)
 
     def trial_completed(self, trial_id: str, result: Mapping[str, Any] | None,

@@ -1,17 +1,21 @@
 """What a finished sweep tells its caller and its parent run: every trial's outcome, the best.
 
 Owns: :class:`SweepResult` and :class:`TrialSummary`, ending every trial's child run with its
-final status (waiting, so the record is certain), and writing the summary on the parent run:
-the best trial's id, run, score (``best_<metric>``), its config (scalars as ``best.<name>``
-tags, the whole config as JSON in the ``raydeck.best_config`` tag and ``sweep/best_trial.json``),
-the count of trials per status, and how well the sweep used its slots. Does not own:
-registering the best model (:mod:`raydeck.tune.registry`).
+final status (waiting, so the record is certain), each trial's score on its child run, and the
+summary on the parent run: the best trial's id, run, score (``best_<metric>``), its config
+(scalars as ``best.<name>`` tags, the whole config as JSON in the ``raydeck.best_config`` tag and
+``sweep/best_trial.json``), a description that links the best child run, the count of trials per
+status, and how well the sweep used its slots. Does not own: registering the best model
+(:mod:`raydeck.tune.registry`).
+
+A trial's score is the best value of the sweep's metric it reported (:mod:`raydeck.tune.score`);
+each child run shows it as ``best_<metric>``, the key the summary ranks by and prints: sorting the
+child runs by it in MLflow ranks them as the summary does (equal scores tie).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,10 +23,12 @@ from typing import Any
 
 from raydeck._internal.redaction import quiet_mlflow_urls
 from raydeck.config.settings import Settings
+from raydeck.config.tracking_uri import run_page
 from raydeck.errors import ConfigError
 from raydeck.tune.config import SweepConfig
 from raydeck.tune.monitor import END_RUN_TIMEOUT_S, SlotUsage, SweepMonitor, end_child_run
 from raydeck.tune.scheduling import LINEAGE_KEY
+from raydeck.tune.score import best_of
 from raydeck.tune.space import as_text, flatten, is_scalar, plain
 from raydeck.tune.status import (
     ERROR_LINE_MAX_CHARS,
@@ -37,13 +43,19 @@ BEST_CONFIG_TAG = "raydeck.best_config"
 BEST_TRIAL_ARTIFACT = "sweep/best_trial.json"
 MAX_TAG_CHARS = 8000
 SWEEP_STATE_TAG = "raydeck.sweep_state"
+# MLflow's UI shows this tag as the run's description (Markdown), above its details.
+DESCRIPTION_TAG = "mlflow.note.content"
 # How often the summary reads a child run's status while its end is on its way to MLflow.
 END_POLL_S = 0.2
 
 
 @dataclass(frozen=True)
 class TrialSummary:
-    """One trial of a finished sweep."""
+    """One trial of a finished sweep.
+
+    ``best_score`` is the trial's score: the best value of the sweep's metric it reported, as
+    its child run shows it (``best_<metric>``); None if it reported none.
+    """
 
     trial_id: str
     run_id: str
@@ -60,19 +72,23 @@ class TrialSummary:
 class SweepResult:
     """What a finished sweep tells its caller.
 
-    ``slot_usage`` describes this driver's tuning loop (None when no trial ran in it, e.g. a
-    resume that only summarized).
+    ``best_score`` is the best trial's score, ``best_metric`` its name (``best_<metric>``, as
+    the child runs and the parent run show it); ``experiment_id`` is the MLflow experiment of
+    the parent run and its children. ``slot_usage`` describes this driver's tuning loop (None
+    when no trial ran in it, e.g. a resume that only summarized).
     """
 
     parent_run_id: str
     best_trial_id: str
     best_run_id: str
     best_config: dict[str, Any]
+    best_metric: str
     best_score: float
     trials: tuple[TrialSummary, ...]
     registered_model_uri: str | None
     wall_time_s: float
     slot_usage: SlotUsage | None = None
+    experiment_id: str = ""
 
     @property
     def trial_iterations(self) -> int:
@@ -89,7 +105,8 @@ def trial_config(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def summarize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any,
               settings: Settings) -> SweepResult:
-    """End every trial's child run with its final status and write the summary on the parent.
+    """End every trial's child run with its final status, log each trial's score on its run
+    (``best_<metric>``), rank the trials by it and write the summary on the parent.
 
     Raises:
         ConfigError: no trial reported the sweep's metric (nothing to call best).
@@ -98,7 +115,6 @@ def summarize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any
 
     client = MlflowClient(settings.tracking.uri)
     children = child_runs(client, parent)
-    better = max if config.mode == "max" else min
     trials = []
     outcomes: dict[str, TrialOutcome] = {}
     for result in grid:
@@ -113,27 +129,29 @@ def summarize(grid: Any, config: SweepConfig, monitor: SweepMonitor, parent: Any
         trials.append(TrialSummary(
             trial_id=trial_id, run_id=child.info.run_id if child else "",
             status=outcome.status, stop_iteration=outcome.iteration,
-            best_score=better(scores) if scores else None,
+            best_score=best_of(scores, config.mode),
             config=trial_config(result.config),
             time_total_s=float(result.metrics.get("time_total_s", 0.0) or 0.0),
             rung=outcome.rung, error=outcome.error,
         ))
     record_outcomes(config, monitor, outcomes, children, client)
-    scored = [(t.best_score, t) for t in trials
-              if t.best_score is not None and not math.isnan(t.best_score)]
-    if not scored:
+    record_scores(config, trials, children, client)
+    best_score = best_of((t.best_score for t in trials), config.mode)
+    if best_score is None:
         raise ConfigError(
             f"no trial reported {config.metric!r}; check the job's reports "
             f"(statuses: {', '.join(sorted({t.status for t in trials}))}; errors: "
             f"{'; '.join(sorted({t.error for t in trials if t.error})) or 'none'})"
         )
-    best_score, best = better(scored, key=lambda pair: pair[0])
+    best = next(t for t in trials if t.best_score == best_score)
     usage = monitor.slot_usage()
-    record_on_parent(parent, config, trials, best, best_score, usage)
+    experiment_id = str(parent.experiment_id)
+    record_on_parent(parent, config, trials, best, best_score, usage, experiment_id)
     return SweepResult(
         parent_run_id=parent.run_id, best_trial_id=best.trial_id, best_run_id=best.run_id,
-        best_config=best.config, best_score=best_score, trials=tuple(trials),
-        registered_model_uri=None, wall_time_s=0.0, slot_usage=usage,
+        best_config=best.config, best_metric=config.best_metric, best_score=best_score,
+        trials=tuple(trials), registered_model_uri=None, wall_time_s=0.0, slot_usage=usage,
+        experiment_id=experiment_id,
     )
 
 
@@ -192,6 +210,32 @@ def record_outcomes(config: SweepConfig, monitor: SweepMonitor,
     return recorded
 
 
+def record_scores(config: SweepConfig, trials: list[TrialSummary], children: dict[str, Any],
+                  client: Any) -> None:
+    """Make each child run show its trial's score as ``best_<metric>``: the value the summary
+    ranks by.
+
+    The trial logged its best as it improved, and its data has landed (the driver waited for
+    it), so this normally finds the score there and writes nothing. Where the trial could not
+    know its whole history (a PBT exploit, a resumed distributed trial) or never logged it, the
+    score is written directly in MLflow at the run's last step of the key (or the trial's last
+    iteration) with a later time, which makes it the run's latest value of the key.
+    """
+    key = config.best_metric
+    for trial in trials:
+        child = children.get(trial.trial_id)
+        if child is None or trial.best_score is None:
+            continue
+        shown = child.data.metrics.get(key)
+        if shown == trial.best_score:
+            continue
+        steps = ([m.step for m in client.get_metric_history(child.info.run_id, key)]
+                 if shown is not None else [])
+        client.log_metric(child.info.run_id, key, trial.best_score,
+                          timestamp=int(time.time() * 1000),
+                          step=max([trial.stop_iteration, *steps]))
+
+
 def _ended_in_mlflow(client: Any, run_id: str, deadline: float) -> str | None:
     """The status MLflow shows run ``run_id`` ended with, waiting for its end until
     ``deadline``; None if it is still running then."""
@@ -227,8 +271,10 @@ def _final_outcome(result: Any, trial_id: str, iteration: int, monitor: SweepMon
 
 
 def record_on_parent(parent: Any, config: SweepConfig, trials: list[TrialSummary],
-                     best: TrialSummary, best_score: float, usage: SlotUsage | None) -> None:
-    """The summary tags, metrics and artifact of the parent run (scalars as tags, all as JSON)."""
+                     best: TrialSummary, best_score: float, usage: SlotUsage | None,
+                     experiment_id: str) -> None:
+    """The summary tags, metrics, description and artifact of the parent run (scalars as tags,
+    all as JSON; the description links the best child run)."""
     flat = flatten(best.config)
     best_json = json.dumps(best.config, sort_keys=True)
     tags: dict[str, Any] = {
@@ -238,11 +284,12 @@ def record_on_parent(parent: Any, config: SweepConfig, trials: list[TrialSummary
         **{f"raydeck.trials_{status}": sum(t.status == status for t in trials)
            for status in TRIAL_STATUSES},
         SWEEP_STATE_TAG: "finished",
+        DESCRIPTION_TAG: describe_best(config, best, best_score, experiment_id),
     }
     if len(best_json) <= MAX_TAG_CHARS:
         tags[BEST_CONFIG_TAG] = best_json
     parent.set_tags(tags)
-    metrics = {f"best_{config.metric}": best_score,
+    metrics = {config.best_metric: best_score,
                "trial_iterations": float(sum(t.stop_iteration for t in trials))}
     if usage is not None:
         metrics.update(sweep_slot_idle_fraction=usage.idle_fraction,
@@ -251,3 +298,16 @@ def record_on_parent(parent: Any, config: SweepConfig, trials: list[TrialSummary
     parent.log_dict({"trial_id": best.trial_id, "run_id": best.run_id, "config": best.config,
                      config.metric: best_score,
                      "statuses": {t.trial_id: t.status for t in trials}}, BEST_TRIAL_ARTIFACT)
+
+
+def describe_best(config: SweepConfig, best: TrialSummary, best_score: float,
+                  experiment_id: str) -> str:
+    """The parent run's description (Markdown): the best trial, its score and a link to its
+    child run. The link is relative to MLflow's UI, so it opens wherever the reader's UI is."""
+    run = f"{config.name}-{best.trial_id}"
+    if best.run_id:
+        run = f"[{run}]({run_page(experiment_id, best.run_id)})"
+    first = "highest" if config.mode == "max" else "lowest"
+    return (f"Best trial **{best.trial_id}**: `{config.best_metric}` = {best_score:.6g} "
+            f"(its {first} `{config.metric}`), run {run}. Sort the child runs by "
+            f"`metrics.{config.best_metric}`, {first} first, to rank them as this summary does.")

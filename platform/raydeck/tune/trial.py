@@ -1,10 +1,11 @@
 """The trial side of a sweep: what runs inside each Tune trial, and what the job calls there.
 
 Owns: the Tune function trainable (binding a trial to its MLflow child run, resuming it,
-running the job single-process or as a ``TorchTrainer``), and the job's API inside a
-single-process trial: :func:`restore` once, :func:`report` once per iteration. Does not own: why
-a trial ends (the driver decides, :mod:`raydeck.tune.monitor`) or what a checkpoint holds
-(:mod:`raydeck.train.checkpointing`).
+running the job single-process or as a ``TorchTrainer`` through :mod:`raydeck.tune.distributed`),
+the job's API inside a single-process trial: :func:`restore` once, :func:`report` once per
+iteration, and the trial's best so far, logged beside the metric as ``best_<metric>``
+(:mod:`raydeck.tune.score`). Does not own: why a trial ends (the driver decides,
+:mod:`raydeck.tune.monitor`) or what a checkpoint holds (:mod:`raydeck.train.checkpointing`).
 
 Every iteration lands in the child run exactly once, also across ``--resume``:
 
@@ -39,7 +40,9 @@ from typing import Any
 from raydeck.config.settings import Settings
 from raydeck.errors import ConfigError, TrackingUnavailableError
 from raydeck.tune.config import SweepConfig, SweepJob
+from raydeck.tune.distributed import fit_distributed
 from raydeck.tune.scheduling import LINEAGE_KEY
+from raydeck.tune.score import RunningBest
 from raydeck.tune.space import as_text, flatten
 from raydeck.tune.status import RESUMED_TAG, SWEEP_TAG, TRIAL_ERROR_TAG, TRIAL_ID_TAG, error_line
 
@@ -48,14 +51,9 @@ logger = logging.getLogger(__name__)
 TRIAL_FILE = "raydeck_trial.json"
 CONFIG_TAG = "raydeck.trial_config"
 MAX_TAG_CHARS = 5000
-# A distributed trial polls its TorchTrainer's reports this often, and after Tune stops it waits
-# this long for the TorchTrainer to abort before leaving (Tune reuses the process only if the
-# trial ends within ~2 s, else it replaces the process, which stops the TorchTrainer anyway).
-REPORT_POLL_S = 0.5
 TRIAL_DRIVER_MEMORY_BYTES = 256 * 1024 * 1024
 # How long a trial waits for its run to be bound (the proxy retries MLflow meanwhile).
 BIND_TIMEOUT_S = 300.0
-ABORT_WAIT_S = 1.5
 # Keep every checkpoint of a trial: with a limit, Tune snapshots the whole experiment each
 # time a trial has checkpointed that many times (measured ~0.6 s per iteration on 2 cores).
 CHECKPOINTS_KEPT_PER_TRIAL: int | None = None
@@ -69,10 +67,16 @@ class _Trial:
     for it.
     """
 
-    def __init__(self, trial_id: str, saved: dict[str, Any] | None) -> None:
+    def __init__(self, trial_id: str, saved: dict[str, Any] | None, config: SweepConfig) -> None:
         self.trial_id = trial_id
         self.saved = saved
         own = saved is not None and saved["trial_id"] == trial_id
+        # The best so far, logged as best_<metric> while it covers every iteration: from the
+        # first (no checkpoint), or from the trial's own checkpoint that saved it; not after a
+        # PBT exploit or in a resumed distributed trial (_bind): the summary writes it then.
+        self.metric, self.best_key = config.metric, config.best_metric
+        self.best = (RunningBest(config.mode, saved["best"] if saved else None)
+                     if saved is None or (own and "best" in saved) else None)
         # Tune's training_iteration (the model's age) and the child run's step of the last
         # reported point; a PBT exploit takes the source's age and sets the step when bound.
         self.iteration = int(saved["iteration"]) if saved else 0
@@ -97,6 +101,11 @@ class _Trial:
                              daemon=True).start()
         else:
             run()
+
+    def with_best(self, metrics: dict[str, Any]) -> dict[str, Any]:
+        """``metrics`` with the trial's best so far as ``best_<metric>``, while it knows it."""
+        best = self.best.update(metrics.get(self.metric)) if self.best is not None else None
+        return metrics if best is None else {**metrics, self.best_key: best}
 
     def tracker(self) -> Any:
         """The trial's tracker, once bound.
@@ -136,10 +145,11 @@ def report(
 ) -> int:
     """Report one iteration of a single-process trial; returns the iteration (1-based).
 
-    Logs ``metrics`` to the trial's child run (and waits until the tracking proxy holds them),
-    then reports them to Tune, with a checkpoint of ``model``/``optimizer`` when given: the
-    trial resumes from it, PBT clones it, the best one is registered. Tune may stop the trial
-    here (it raises ``SystemExit``; let it propagate).
+    Logs ``metrics`` to the trial's child run, with the trial's best value of the sweep's metric
+    so far as ``best_<metric>``, and waits until the tracking proxy holds them; then reports
+    them to Tune, with a checkpoint of ``model``/``optimizer`` when given: the trial resumes from
+    it, PBT clones it, the best one is registered. Tune may stop the trial here (it raises
+    ``SystemExit``; let it propagate).
 
     Raises:
         ConfigError: called outside a sweep trial.
@@ -152,7 +162,7 @@ def report(
     tracker = trial.tracker()
     trial.iteration += 1
     trial.step += 1
-    tracker.log_metrics(metrics, step=trial.step, strict=False)
+    tracker.log_metrics(trial.with_best(metrics), step=trial.step, strict=False)
     tracker.flush()
     reported = {**metrics, "training_iteration": trial.iteration}
     if model is None:
@@ -162,7 +172,8 @@ def report(
         write_state(Path(tmp), model=model, optimizer=optimizer, scheduler=None,
                     epoch=trial.iteration, step=trial.step, run_id=tracker.run_key, extra=extra)
         (Path(tmp) / TRIAL_FILE).write_text(json.dumps(
-            {"trial_id": trial.trial_id, "iteration": trial.iteration, "step": trial.step}))
+            {"trial_id": trial.trial_id, "iteration": trial.iteration, "step": trial.step,
+             **({"best": trial.best.value} if trial.best is not None else {})}))
         tune.report(reported, checkpoint=tune.Checkpoint.from_directory(tmp))
     return trial.iteration
 
@@ -237,7 +248,7 @@ def _run_trial(job: SweepJob, config: SweepConfig, settings: Settings, preset: A
     trial_id = str(tune.get_context().get_trial_id())
     _wait_until_left(trial_id)
     checkpoint = tune.get_checkpoint()
-    trial = _Trial(trial_id, _saved_position(checkpoint))
+    trial = _Trial(trial_id, _saved_position(checkpoint), config)
     if trial.iteration >= config.max_t:
         # Restored at its last iteration (the previous driver died before it recorded the
         # end): nothing is left to train, and one more iteration would exceed max_t.
@@ -254,7 +265,8 @@ def _run_trial(job: SweepJob, config: SweepConfig, settings: Settings, preset: A
     _current = trial
     try:
         if job.distributed:
-            _fit_distributed(job, config, trial_config, data, trial, preset, settings)
+            fit_distributed(job, config, trial_config, data, trial.tracker(), trial.best,
+                            preset, settings)
         else:
             job.train_fn(trial_config, data)
     except SystemExit:
@@ -316,8 +328,10 @@ def _bind(trial: _Trial, *, config: SweepConfig, settings: Settings, experiment:
         held_through = max([step for step in held.values() if step >= 0], default=0)
         # Iterations re-run from an older checkpoint are reported to Tune again but not logged
         # twice; the previous attempt's processes are gone (the driver waited), so this is all.
-        tracker.skip_logged_steps(job.reports)
+        tracker.skip_logged_steps((*job.reports, config.best_metric))
         tags[RESUMED_TAG] = "true"
+        if job.distributed:  # its TorchTrainer goes on from epochs this process never saw
+            trial.best = None
     tracker.set_tags(tags)
     if trial.saved is not None and trial.saved["trial_id"] != trial.trial_id:
         # PBT: this trial continues from another trial's checkpoint, after its own last step.
@@ -341,143 +355,3 @@ def _saved_position(checkpoint: Any) -> dict[str, Any] | None:
     except (FileNotFoundError, OSError, ValueError):
         return None
     return data if isinstance(data, dict) and "trial_id" in data else None
-
-
-# --- distributed trials -------------------------------------------------------------------------
-def _fit_distributed(job: SweepJob, config: SweepConfig, trial_config: dict[str, Any],
-                     data: Any, trial: _Trial, preset: Any, settings: Settings) -> None:
-    """Run the job as a TorchTrainer and pass each of its epochs on to Tune.
-
-    Checkpoints go where training jobs put theirs (the checkpoint bucket, with raydeck's
-    credentialed filesystem), under the trial's run key, so a resumed trial's TorchTrainer
-    continues from its own latest checkpoint. The TorchTrainer runs in a thread; its controller
-    hands each committed epoch to this trial through a queue, and the trial logs the epoch's
-    stored points (the same points, with the same timestamps, that rank 0 logs: MLflow keeps
-    one copy) before Tune hears of it, so a trial Tune stops right after keeps its last epoch.
-    """
-    from queue import Empty
-
-    from ray import tune
-    from ray.train import CheckpointConfig, FailureConfig
-    from ray.train.torch import TorchTrainer
-    from ray.util.queue import Queue
-
-    from raydeck.storage import checkpoint_storage
-    from raydeck.train.checkpointing import log_points
-    from raydeck.train.trainer import torch_config, within_queue
-
-    reports: Any = Queue(maxsize=1, actor_options={"num_cpus": 0})
-    outcome: dict[str, Any] = {}
-    finished = threading.Event()
-    trainer = TorchTrainer(
-        job.train_fn,
-        train_loop_config={**trial_config, "data": data},
-        # An elastic preset's range, kept within the workers the queue allows the sweep's job
-        # (as raydeck.train.trainer.fit keeps a training job's).
-        scaling_config=within_queue(preset.scaling_config()),
-        torch_config=torch_config(preset.scaling_config()),
-        run_config=trial.tracker().run_config(
-            **checkpoint_storage(settings).run_config_kwargs(),
-            failure_config=FailureConfig(max_failures=preset.max_failures),
-            # Keep the best epochs by the sweep's metric (the best one is registered) and,
-            # as Ray Train always does, the latest (to resume from).
-            checkpoint_config=CheckpointConfig(num_to_keep=preset.checkpoints_to_keep,
-                                               checkpoint_score_attribute=config.metric,
-                                               checkpoint_score_order=config.mode),
-            callbacks=[_forward_reports(reports)],
-        ),
-    )
-
-    def fit() -> None:
-        try:
-            outcome["result"] = trainer.fit()
-        except BaseException as exc:
-            outcome["error"] = exc
-        finally:
-            finished.set()
-
-    thread = threading.Thread(target=fit, name=f"raydeck-trial-{trial.trial_id}", daemon=True)
-    thread.start()
-    tracker = trial.tracker()
-    controller = None
-    try:
-        while True:
-            try:
-                item = reports.get(timeout=REPORT_POLL_S)
-            except Empty:
-                if finished.is_set() and reports.empty():
-                    break
-                continue
-            controller = item["controller"]
-            log_points(tracker, item["points"])
-            tracker.flush()
-            metrics = dict(item["metrics"])
-            if "epoch" in metrics:
-                metrics["training_iteration"] = int(metrics["epoch"]) + 1
-            tune.report(metrics)
-    except SystemExit:
-        _abort(controller, thread)
-        raise
-    finally:
-        _shutdown(reports)
-    if "error" in outcome:
-        raise outcome["error"]
-
-
-def _forward_reports(reports: Any) -> Any:
-    """A Ray Train callback (it runs in the TorchTrainer's controller) that puts each committed
-    report into ``reports``: rank 0's metrics, the points stored in the checkpoint, and the
-    controller's handle (so the trial can abort it)."""
-    from ray.train import UserCallback
-
-    class ForwardReports(UserCallback):
-        def after_report(self, run_context: Any, metrics: list[dict[str, Any]],
-                         checkpoint: Any) -> None:
-            import ray
-
-            from raydeck.train.checkpointing import uri_of
-
-            points = _stored_points(checkpoint)
-            reported = dict(metrics[0])
-            if checkpoint is not None:
-                reported["checkpoint_uri"] = uri_of(checkpoint)
-            reports.put({
-                "metrics": reported,
-                "points": points,
-                "controller": ray.get_runtime_context().current_actor,
-            })
-
-    return ForwardReports()
-
-
-def _stored_points(checkpoint: Any) -> list[Any]:
-    """Rank 0's stored metric points of a raydeck checkpoint (read alone, not downloaded)."""
-    from raydeck.train.checkpointing import metrics_file
-
-    if checkpoint is None:
-        return []
-    try:
-        path = f"{checkpoint.path.rstrip('/')}/{metrics_file(0)}"
-        with checkpoint.filesystem.open_input_stream(path) as stream:
-            return list(json.loads(stream.read())["points"])
-    except (FileNotFoundError, OSError, ValueError, KeyError) as exc:
-        logger.debug("checkpoint %s holds no raydeck metrics: %s", checkpoint, exc)
-        return []
-
-
-def _abort(controller: Any, thread: threading.Thread) -> None:
-    """Stop the trial's TorchTrainer (Tune stopped the trial); waits at most ABORT_WAIT_S."""
-    if controller is not None:
-        try:
-            controller.abort.remote()
-        except Exception as exc:
-            logger.debug("could not abort the trial's TorchTrainer: %s", exc)
-    thread.join(ABORT_WAIT_S)
-
-
-def _shutdown(reports: Any) -> None:
-    try:
-        reports.shutdown(force=True)
-    except Exception as exc:
-        logger.debug("could not stop the trial's report queue: %s", exc)
-

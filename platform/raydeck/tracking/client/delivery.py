@@ -488,6 +488,9 @@ class Delivery:
                 thread.join(timeout=5)
         with contextlib.suppress(OSError):
             shutil.rmtree(self._staging, ignore_errors=True)
+            # The process's staging folder too, once its last tracker closed (another tracker of
+            # this process still staging keeps it: rmdir refuses a folder that is not empty).
+            self._staging.parent.rmdir()
 
 
 def _reason(exc: BaseException) -> str:

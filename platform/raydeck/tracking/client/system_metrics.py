@@ -1,22 +1,27 @@
 """System metrics sampled into the run: the node's view, and the GPUs Ray gave this process.
 
-Two views, both under ``system/<node ip>/``:
+Two views, both under ``system/<node ip>/``, the ``system/<node_id>/`` form MLflow's own
+``SystemMetricsMonitor`` gives a node (``MLFLOW_SYSTEM_METRICS_NODE_ID``), so MLflow's UI charts
+them as its system metrics:
 
-- **Node** (one tracker per node and run, elected by the router, so a node reports once):
-  ``cpu_percent``, ``memory_percent``, ``memory_used_gb``, disk and network rates, and for every
-  GPU of the node ``gpu_<i>/<reading>``, where ``i`` is the NVML index (``nvidia-smi``'s
-  numbering, and the ``GpuIndex`` of Ray's own ``ray_node_gpus_*`` metrics in Prometheus).
+- **Node** (one tracker per node and run, elected by the router, so a node reports once): what
+  MLflow's own monitors measure, under their names and in their units
+  (``mlflow/system_metrics/metrics/*_monitor.py``; :data:`MLFLOW_NODE_METRICS`, and per GPU
+  ``gpu_<i>_<reading>`` of :data:`MLFLOW_GPU_READINGS`, ``i`` the NVML index: ``nvidia-smi``'s
+  numbering, and the ``GpuIndex`` of Ray's own ``ray_node_gpus_*`` metrics in Prometheus), and
+  raydeck's own readings beside them: disk and network rates, each GPU's temperature.
 - **Process** (any tracker whose process Ray assigned GPUs, e.g. a Ray Train worker with
-  ``use_gpu``): ``<process>/gpu_<k>/<reading>``, where ``<process>`` is ``rank_<world rank>``
-  (``pid_<pid>`` outside Ray Train) and ``k`` the CUDA ordinal the process uses (``cuda:k``).
-  Besides the readings: ``nvml_index`` (which of the node's GPUs it is) and
+  ``use_gpu``), raydeck's own names: ``<process>/gpu_<k>/<reading>``, where ``<process>`` is
+  ``rank_<world rank>`` (``pid_<pid>`` outside Ray Train) and ``k`` the CUDA ordinal the process
+  uses (``cuda:k``); readings ``utilization_percent``, ``memory_used_gb``, ``memory_percent``,
+  ``temperature_c``, ``power_w``, ``nvml_index`` (which of the node's GPUs it is) and
   ``process_memory_used_gb`` (what this process holds on it, when NVML sees the process).
 
-Readings per GPU: ``utilization_percent``, ``memory_used_gb``, ``memory_percent``,
-``temperature_c``, ``power_w`` (one a GPU does not support is left out). They need NVML: the
-``nvidia-ml-py`` package (a dependency) and the driver's ``libnvidia-ml``. Without them, one log
-line per process says why (a warning where GPUs are expected, else info) and the CPU metrics go
-on. Does not own: when to sample or where the values go (the tracker's flusher).
+A reading a GPU does not support is left out. GPU readings need NVML: the ``nvidia-ml-py``
+package (a dependency) and the driver's ``libnvidia-ml``. Without them, one log line per process
+says why (a warning where GPUs are expected, else info) and the CPU metrics go on. Does not own:
+when to sample or where the values go (the tracker's flusher), nor whether a run is sampled at
+all (the tracker's settings; the MLflow plugin decides for its runs).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import psutil
@@ -36,8 +42,28 @@ from raydeck.tracking.messages import ProcessInfo
 
 logger = logging.getLogger(__name__)
 
-_MB = 1024 * 1024
-_GB = 1024**3
+_MEGABYTE = 1e6  # MLflow's megabytes
+_GB = 1024**3  # the per-process GPU readings' gigabytes
+
+# MLflow's names for the node's readings (CPUMonitor, DiskMonitor, NetworkMonitor), in order.
+CPU_UTILIZATION = "cpu_utilization_percentage"
+MEMORY_USED_MB = "system_memory_usage_megabytes"
+MEMORY_USED_PERCENT = "system_memory_usage_percentage"
+DISK_USED_MB = "disk_usage_megabytes"
+DISK_USED_PERCENT = "disk_usage_percentage"
+DISK_AVAILABLE_MB = "disk_available_megabytes"
+NETWORK_RECEIVED_MB = "network_receive_megabytes"
+NETWORK_SENT_MB = "network_transmit_megabytes"
+MLFLOW_NODE_METRICS = (CPU_UTILIZATION, MEMORY_USED_MB, MEMORY_USED_PERCENT, DISK_USED_MB,
+                       DISK_USED_PERCENT, DISK_AVAILABLE_MB, NETWORK_RECEIVED_MB,
+                       NETWORK_SENT_MB)
+# MLflow's GPUMonitor's readings, each named gpu_<i>_<reading>.
+MLFLOW_GPU_READINGS = ("memory_usage_percentage", "memory_usage_megabytes",
+                       "utilization_percentage", "power_usage_watts", "power_usage_percentage")
+# raydeck's own node readings, beside MLflow's: I/O rates in MB (10^6 bytes) per second since the
+# previous sample, and each GPU's temperature (gpu_<i>_temperature_celsius).
+RAYDECK_NODE_RATES = ("disk_read_mb_s", "disk_write_mb_s", "net_recv_mb_s", "net_sent_mb_s")
+GPU_TEMPERATURE = "temperature_celsius"
 
 _nvml_lock = threading.Lock()
 _nvml: Any | None = None
@@ -123,10 +149,12 @@ def sampler_for(process: ProcessInfo, node_view: bool) -> SystemSampler | None:
 
 
 class SystemSampler:
-    """Turns successive samples into gauges and per-second rates.
+    """Turns successive samples into gauges, totals since the sampler started and per-second
+    rates.
 
     Args:
-        node_label: the node's name in the keys (its IP).
+        node_label: the node's name in the keys (its IP), MLflow's ``node_id``: keys are
+            ``system/<node_label>/<name>``, as MLflow's monitor prefixes a node's.
         node_view: sample the node (CPU, memory, disk, network, every GPU).
         process_gpus: ``(label, CUDA_VISIBLE_DEVICES value)`` of this process's GPUs, sampled
             under ``system/<node>/<label>/gpu_<k>/`` (see :func:`assigned_gpus`).
@@ -139,7 +167,7 @@ class SystemSampler:
         self._last_time = time.monotonic()
         if node_view:
             self._last_disk = psutil.disk_io_counters()
-            self._last_net = psutil.net_io_counters()
+            self._last_net = self._first_net = psutil.net_io_counters()
             psutil.cpu_percent(interval=None)  # primes the CPU counter; the first value is 0.0
         self._nvml = _open_nvml(gpus_expected=process_gpus is not None)
         self._node_gpus: list[tuple[str, int]] = []
@@ -158,7 +186,7 @@ class SystemSampler:
             self._nvml = None
             return
         if self._node_view:
-            self._node_gpus = [(f"gpu_{index}/", index) for index in range(len(uuids))]
+            self._node_gpus = [(f"gpu_{index}_", index) for index in range(len(uuids))]
         if process_gpus is not None:
             label, visible = process_gpus
             indices = cuda_visible_to_nvml(visible, uuids)
@@ -179,26 +207,36 @@ class SystemSampler:
         return {self.prefix + name: float(value) for name, value in values.items()}
 
     def _node_values(self) -> dict[str, float]:
+        """MLflow's node readings (as its monitors compute them), then raydeck's rates."""
         now = time.monotonic()
         elapsed = max(now - self._last_time, 1e-6)
         memory = psutil.virtual_memory()
+        disk_space = psutil.disk_usage(os.sep)
         values = {
-            "cpu_percent": psutil.cpu_percent(interval=None),
-            "memory_percent": memory.percent,
-            "memory_used_gb": memory.used / _GB,
+            CPU_UTILIZATION: psutil.cpu_percent(interval=None),
+            MEMORY_USED_MB: memory.used / _MEGABYTE,
+            MEMORY_USED_PERCENT: memory.used / memory.total * 100,
+            DISK_USED_MB: disk_space.used / _MEGABYTE,
+            DISK_USED_PERCENT: disk_space.percent,
+            DISK_AVAILABLE_MB: disk_space.free / _MEGABYTE,
         }
+        net = psutil.net_io_counters()
+        if net is not None and self._first_net is not None:
+            # Since this sampler started, as MLflow's NetworkMonitor counts from its start.
+            values[NETWORK_RECEIVED_MB] = (
+                (net.bytes_recv - self._first_net.bytes_recv) / _MEGABYTE)
+            values[NETWORK_SENT_MB] = (net.bytes_sent - self._first_net.bytes_sent) / _MEGABYTE
         disk = psutil.disk_io_counters()
         if disk is not None and self._last_disk is not None:
             values["disk_read_mb_s"] = (
-                (disk.read_bytes - self._last_disk.read_bytes) / _MB / elapsed
-            )
+                (disk.read_bytes - self._last_disk.read_bytes) / _MEGABYTE / elapsed)
             values["disk_write_mb_s"] = (
-                (disk.write_bytes - self._last_disk.write_bytes) / _MB / elapsed
-            )
-        net = psutil.net_io_counters()
+                (disk.write_bytes - self._last_disk.write_bytes) / _MEGABYTE / elapsed)
         if net is not None and self._last_net is not None:
-            values["net_recv_mb_s"] = (net.bytes_recv - self._last_net.bytes_recv) / _MB / elapsed
-            values["net_sent_mb_s"] = (net.bytes_sent - self._last_net.bytes_sent) / _MB / elapsed
+            values["net_recv_mb_s"] = (
+                (net.bytes_recv - self._last_net.bytes_recv) / _MEGABYTE / elapsed)
+            values["net_sent_mb_s"] = (
+                (net.bytes_sent - self._last_net.bytes_sent) / _MEGABYTE / elapsed)
         self._last_time, self._last_disk, self._last_net = now, disk, net
         return values
 
@@ -207,13 +245,15 @@ class SystemSampler:
         assert nvml is not None
         values: dict[str, float] = {}
         try:
-            readings: dict[int, dict[str, float]] = {}
+            readings: dict[int, _GpuReading] = {}
             for prefix, index in self._node_gpus:
-                readings[index] = _readings(nvml, index)
-                values.update({prefix + name: value for name, value in readings[index].items()})
+                readings[index] = _GpuReading.of(nvml, index)
+                values.update({prefix + name: value
+                               for name, value in readings[index].mlflow_names().items()})
             pid = os.getpid()
             for prefix, index in self._process_gpus:
-                mine = dict(readings.get(index) or _readings(nvml, index), nvml_index=index)
+                mine = dict((readings.get(index) or _GpuReading.of(nvml, index)).process_names(),
+                            nvml_index=index)
                 used = _process_memory_bytes(nvml, index, pid)
                 if used is not None:
                     mine["process_memory_used_gb"] = used / _GB
@@ -229,23 +269,71 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _readings(nvml: Any, index: int) -> dict[str, float]:
-    """Utilisation, memory, temperature and power of one GPU; the ones it does not support
-    (NVML's NotSupported, e.g. power on some boards) are left out."""
-    handle = nvml.nvmlDeviceGetHandleByIndex(index)
-    values: dict[str, float] = {}
-    with contextlib.suppress(nvml.NVMLError_NotSupported):
-        values["utilization_percent"] = nvml.nvmlDeviceGetUtilizationRates(handle).gpu
-    with contextlib.suppress(nvml.NVMLError_NotSupported):
-        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
-        values["memory_used_gb"] = memory.used / _GB
-        values["memory_percent"] = 100.0 * memory.used / memory.total
-    with contextlib.suppress(nvml.NVMLError_NotSupported):
-        values["temperature_c"] = nvml.nvmlDeviceGetTemperature(handle,
-                                                                 nvml.NVML_TEMPERATURE_GPU)
-    with contextlib.suppress(nvml.NVMLError_NotSupported):
-        values["power_w"] = nvml.nvmlDeviceGetPowerUsage(handle) / 1000.0
-    return values
+@dataclass(frozen=True)
+class _GpuReading:
+    """One GPU's raw NVML readings; None where the GPU does not support one (NVML's
+    NotSupported, e.g. power on some boards)."""
+
+    utilization_percent: float | None
+    memory_used_bytes: float | None
+    memory_total_bytes: float | None
+    temperature_c: float | None
+    power_mw: float | None
+    power_limit_mw: float | None
+
+    @classmethod
+    def of(cls, nvml: Any, index: int) -> _GpuReading:
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+
+        def read(call: Callable[[], Any], unavailable: Any = nvml.NVMLError_NotSupported) -> Any:
+            with contextlib.suppress(unavailable):
+                return call()
+            return None
+
+        utilization = read(lambda: nvml.nvmlDeviceGetUtilizationRates(handle))
+        memory = read(lambda: nvml.nvmlDeviceGetMemoryInfo(handle))
+        return cls(
+            utilization_percent=utilization.gpu if utilization is not None else None,
+            memory_used_bytes=memory.used if memory is not None else None,
+            memory_total_bytes=memory.total if memory is not None else None,
+            temperature_c=read(lambda: nvml.nvmlDeviceGetTemperature(
+                handle, nvml.NVML_TEMPERATURE_GPU)),
+            power_mw=read(lambda: nvml.nvmlDeviceGetPowerUsage(handle)),
+            # Only for power_usage_percentage: a limit NVML will not give drops that alone.
+            power_limit_mw=read(lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(handle),
+                                nvml.NVMLError),
+        )
+
+    def mlflow_names(self) -> dict[str, float]:
+        """The node view's readings: MLflow GPUMonitor's (units too), then the temperature."""
+        values: dict[str, float] = {}
+        if self.memory_used_bytes is not None and self.memory_total_bytes:
+            values["memory_usage_percentage"] = (
+                100.0 * self.memory_used_bytes / self.memory_total_bytes)
+            values["memory_usage_megabytes"] = self.memory_used_bytes / _MEGABYTE
+        if self.utilization_percent is not None:
+            values["utilization_percentage"] = self.utilization_percent
+        if self.power_mw is not None:
+            values["power_usage_watts"] = self.power_mw / 1000.0
+            if self.power_limit_mw:
+                values["power_usage_percentage"] = 100.0 * self.power_mw / self.power_limit_mw
+        if self.temperature_c is not None:
+            values[GPU_TEMPERATURE] = self.temperature_c
+        return values
+
+    def process_names(self) -> dict[str, float]:
+        """A process's GPU readings, raydeck's names (``gpu_<k>/<reading>``)."""
+        values: dict[str, float] = {}
+        if self.utilization_percent is not None:
+            values["utilization_percent"] = self.utilization_percent
+        if self.memory_used_bytes is not None and self.memory_total_bytes:
+            values["memory_used_gb"] = self.memory_used_bytes / _GB
+            values["memory_percent"] = 100.0 * self.memory_used_bytes / self.memory_total_bytes
+        if self.temperature_c is not None:
+            values["temperature_c"] = self.temperature_c
+        if self.power_mw is not None:
+            values["power_w"] = self.power_mw / 1000.0
+        return values
 
 
 def _process_memory_bytes(nvml: Any, index: int, pid: int) -> int | None:

@@ -94,7 +94,8 @@ class Tracker(StepPolicy, ArtifactLogging, ResumeHelpers):
         self._report: LandedReport | None = None
         self._console = ConsoleCapture() if settings.tracking.capture_logs else None
         self._sampler: SystemSampler | None = None
-        self._sample_interval_s = settings.tracking.system_metrics_interval_s
+        self._sample_interval_s = (0.0 if settings.tracking.system_metrics == "off"
+                                   else settings.tracking.system_metrics_interval_s)
         self._next_sample = time.monotonic()
         self._sample_step = 0
         self._run_id_probed_at = -RUN_ID_PROBE_INTERVAL_S

@@ -134,8 +134,11 @@ class RouterCore:
             raise ConfigError(
                 f"the tracking proxy in Ray namespace {self.config.namespace!r} writes to "
                 f"{redact_text(self.config.tracking_uri)}, but this process is configured for "
-                f"{redact_text(request.tracking_uri)}; run `raydeck tracking stop` first, or "
-                "set RAYDECK_RAY_NAMESPACE to run a second proxy"
+                f"{redact_text(request.tracking_uri)}: to log where the proxy writes, set "
+                "RAYDECK_TRACKING_URI to its URI (or unset what chose the other one: "
+                "`raydeck config` shows where each value comes from); to log to "
+                f"{redact_text(request.tracking_uri)}, give this process a proxy of its own "
+                "with RAYDECK_RAY_NAMESPACE=<another name>"
             )
         with self._lock:
             key = self._resolve_key(request)
