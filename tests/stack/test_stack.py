@@ -94,14 +94,12 @@ def _listeners(port: int | None = None, pids: set[int] | None = None
 @pytest.fixture(scope="module")
 def stack() -> Iterator[dict[str, Any]]:
     under_test = StackUnderTest(mode=0o700)
-    started_at = time.time()
     started = time.perf_counter()
     try:
         answer = under_test.cli("up", "--free-ports", "--num-cpus", "4", timeout_s=UP_TIMEOUT_S)
         wall_time_s = time.perf_counter() - started
         assert answer.returncode == 0, answer.stdout[-3000:] + answer.stderr[-3000:]
-        yield {"stack": under_test, "up": answer, "up_wall_time_s": wall_time_s,
-               "started_at": started_at}
+        yield {"stack": under_test, "up": answer, "up_wall_time_s": wall_time_s}
     finally:
         under_test.destroy()
         # Only if the purge test did not run or failed.
@@ -267,7 +265,6 @@ def test_mlflow_code_logs_to_the_stack_through_the_raydeck_uri(stack: dict[str, 
     """docs/mlflow-plugin.md: plain MLflow code with ``MLFLOW_TRACKING_URI=raydeck://`` logs to
     raydeck's configured backend, the running stack's MLflow (it went to the embedded SQLite,
     and the proxy refused the process)."""
-    import subprocess
     import sys
 
     under_test: StackUnderTest = stack["stack"]
@@ -277,9 +274,8 @@ def test_mlflow_code_logs_to_the_stack_through_the_raydeck_uri(stack: dict[str, 
             "    mlflow.log_param('lr', 0.1)\n"
             "    for step in range(3):\n"
             "        mlflow.log_metric('loss', 1.0 / (step + 1), step=step)\n")
-    answer = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=300, cwd=under_test.root,
-                            env={**under_test.env, "MLFLOW_TRACKING_URI": "raydeck://"})
+    answer = under_test.run([sys.executable, "-c", code], timeout_s=300,
+                            env={"MLFLOW_TRACKING_URI": "raydeck://"})
     assert answer.returncode == 0, answer.stdout[-3000:] + answer.stderr[-3000:]
     with _database(under_test) as db:
         (run_uuid, status), = db.execute(
@@ -409,7 +405,6 @@ def test_down_stops_every_process_and_frees_every_port(stack: dict[str, Any]) ->
             assert not wide, f"{service} listens beyond loopback: {wide}"
     ray_temp = under_test.paths.ray_temp_dir
     assert ray_temp.is_dir()  # also the TMPDIR of the stack's Ray processes
-    started = stack["started_at"]
     down = under_test.cli("down")
     assert down.returncode == 0, down.stderr
     assert not under_test.marked()
@@ -417,11 +412,9 @@ def test_down_stops_every_process_and_frees_every_port(stack: dict[str, Any]) ->
     assert not under_test.stack_file.exists()  # raydeck commands no longer use it
     assert (under_test.state().pgdata(under_test.paths) / "PG_VERSION").exists()  # data stays
     assert not ray_temp.exists()
-    # No tracker of a process that has ended left its staging folder behind.
-    stale = [folder for folder in Path(tempfile.gettempdir()).glob("raydeck-staging-*")
-             if folder.stat().st_mtime > started
-             and not psutil.pid_exists(int(folder.name.rpartition("-")[2]))]
-    assert not stale, stale
+    # No command or script this module ran (each has ended) left a tracker's staging folder.
+    staging = [Path(tempfile.gettempdir()) / f"raydeck-staging-{pid}" for pid in under_test.pids]
+    assert under_test.pids and not [folder for folder in staging if folder.exists()]
     ps = under_test.cli("ps")
     assert ps.returncode == 0 and ps.stdout.count("stopped") == len(SERVICE_NAMES)
 
