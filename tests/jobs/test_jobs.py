@@ -463,7 +463,8 @@ def test_raydeck_jobs_lists_submissions_never_raydecks_own_commands_and_cuts_no_
     jobs (Ray lists every driver as a job), and cut the MLflow run's URL. A submission is
     listed with its whole run URL at 80 columns in a pipe; a command's driver never, even with
     --drivers, which adds a user's own ray.init script."""
-    from raydeck.jobs.submission import METADATA_KIND, METADATA_RUN_ID
+    from raydeck._internal.contract import JOB_KIND_METADATA
+    from raydeck.jobs.submission import METADATA_RUN_ID
 
     experiment = f"jobs-listing-{uuid.uuid4().hex[:6]}"
     env = {**_clean_env(), **ray_head.client_env,
@@ -478,7 +479,7 @@ def test_raydeck_jobs_lists_submissions_never_raydecks_own_commands_and_cuts_no_
     # Ray lists the command's driver as a job, marked as raydeck's command.
     (command,) = [job for job in client.list_jobs() if job.job_id not in before]
     assert command.type.value == "DRIVER", command
-    assert (command.metadata or {}).get(METADATA_KIND) == "command", command.metadata
+    assert (command.metadata or {}).get(JOB_KIND_METADATA) == "command", command.metadata
     script = tmp_path / f"train_{uuid.uuid4().hex[:8]}.py"
     script.write_text(USER_DRIVER_SCRIPT)
     user = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
@@ -493,7 +494,7 @@ def test_raydeck_jobs_lists_submissions_never_raydecks_own_commands_and_cuts_no_
            f"{run.info.run_id}")
     submission_id = f"raydeck-{run_key}"
     client.submit_job(entrypoint="python -c pass", submission_id=submission_id,
-                      metadata={METADATA_KIND: "job", METADATA_RUN_ID: run_key})
+                      metadata={JOB_KIND_METADATA: "job", METADATA_RUN_ID: run_key})
 
     listed = _raydeck("jobs", env=env, timeout=120)
     assert listed.returncode == 0, listed.stdout[-3000:] + listed.stderr[-3000:]
@@ -512,7 +513,7 @@ def test_raydeck_jobs_lists_submissions_never_raydecks_own_commands_and_cuts_no_
     assert command.job_id not in rows, rows[command.job_id]
     # Nor the drivers of the `raydeck jobs` calls themselves, nor any other command's.
     commands = {job.job_id for job in client.list_jobs()
-                if (job.metadata or {}).get(METADATA_KIND) == "command"}
+                if (job.metadata or {}).get(JOB_KIND_METADATA) == "command"}
     assert len(commands) >= 2 and not commands & set(rows), rows
 
 

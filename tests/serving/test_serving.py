@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from raydeck.cluster.serve_ingress import HAPROXY_RETRY_ON
+from raydeck.stack.processes import listening
 from tests.fixtures.processes import free_port, wait_until
 from tests.fixtures.prometheus import DASHBOARDS_DIR, PrometheusServer
 from tests.fixtures.summer_model import SUMMER_CODE, register_summer
@@ -568,17 +569,9 @@ def test_stop_deletes_the_application(served: Served, raydeck_env: dict[str, str
     if not others:
         # The last application: Serve shut down with it, and so did its HAProxy listener
         # (it answered 404 on the port until the cluster stopped).
-        wait_until(lambda: not _listening(port), 30, "the application's port to close")
+        wait_until(lambda: not listening(port), 30, "the application's port to close")
     again = _cli("serve", "--stop", "--name", served.name, env=served.env)
     assert again.returncode == 2 and "no Serve application" in again.stderr
-
-
-def _listening(port: int) -> bool:
-    import socket
-
-    with socket.socket() as probe:
-        probe.settimeout(1)
-        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 @pytest.mark.slow

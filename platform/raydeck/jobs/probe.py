@@ -14,9 +14,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from raydeck._internal.contract import JOB_KIND_METADATA
 from raydeck.errors import JobSubmissionError
 from raydeck.jobs.submission import (
-    METADATA_KIND,
     TERMINAL_STATUSES,
     submit_waiting_for_agent,
     wait_for,
@@ -95,7 +95,7 @@ def probe(client: JobSubmissionClient, runtime_env: dict[str, Any], *,
     """
     submission_id = f"raydeck-probe-{uuid.uuid4().hex[:8]}"
     submit_waiting_for_agent(client, entrypoint=PROBE_ENTRYPOINT, submission_id=submission_id,
-            runtime_env=runtime_env, metadata={METADATA_KIND: "probe"})
+            runtime_env=runtime_env, metadata={JOB_KIND_METADATA: "probe"})
     status = wait_for(client, submission_id, timeout_s)
     logs = client.get_job_logs(submission_id)
     found = [line for line in logs.splitlines() if line.startswith(PROBE_MARKER)]

@@ -73,7 +73,6 @@ RUN_NAME_ENV = "RAYDECK_RUN_NAME"
 CONTRACT_OPTIONS = {"--preset": "preset", "--run-name": "run_name"}
 METADATA_RUN_ID = "raydeck_run_id"
 METADATA_PRESET = "raydeck_preset"
-METADATA_KIND = JOB_KIND_METADATA
 STATUS_POLL_INTERVAL_S = 1.0
 # A head that just started answers "No available agent to submit job" until its dashboard agent
 # registers (seconds); submissions retry that long.
@@ -314,7 +313,7 @@ def submitted_runtime_env(request: JobRequest) -> dict[str, Any]:
 
 def submitted_metadata(request: JobRequest) -> dict[str, str]:
     """The job server metadata ``raydeck jobs`` reads back (kind, run id, preset)."""
-    return {METADATA_KIND: "job", METADATA_RUN_ID: request.run_id,
+    return {JOB_KIND_METADATA: "job", METADATA_RUN_ID: request.run_id,
             METADATA_PRESET: request.preset}
 
 
@@ -407,7 +406,7 @@ def list_jobs(client: JobSubmissionClient, limit: int = 20, drivers: bool = Fals
     for job in client.list_jobs():
         metadata = job.metadata or {}
         kind = str(getattr(job.type, "value", job.type))
-        if metadata.get(METADATA_KIND) in _UNLISTED_KINDS or (kind != SUBMISSION
+        if metadata.get(JOB_KIND_METADATA) in _UNLISTED_KINDS or (kind != SUBMISSION
                                                               and not drivers):
             continue
         started = job.start_time / 1000 if job.start_time else None
