@@ -13,14 +13,16 @@ as resources allow). The last row replays priority again with every job checkpoi
 
 A second table compares the attained-service policies (``las``, ``gittins``: no estimates, they
 preempt at checkpoints) with the estimate-driven ones on two traces: the same trace, and one
-whose estimates are off by a log-normal factor of sigma ``--estimate-error`` (so SJF and
-backfill face realistic predictions). Preemptions there cost what they cost a real job (the work
-since the last checkpoint and a restart, ``PreemptionCost``); columns: preemptions per job,
-GPU-hours lost to them, and average JCT relative to FIFO and to backfill-SJF with perfect
-estimates. Gittins starts from the service distribution of another seeded trace (the cluster's
-history; on a public trace, from nothing) and learns from the jobs that finish. Other public
-traces (Philly, Helios, PAI) were not brought in: pass one converted to the trace CSV with
-``--trace``.
+whose estimates are off by a log-normal factor of sigma ``--estimate-error``, seeded with
+``--seed`` (so SJF and backfill face realistic predictions;
+:mod:`raydeck.scheduling.simulator.comparison`). Preemptions there cost what they cost a real job
+(the work since the last checkpoint and a restart, ``PreemptionCost``); columns: preemptions per
+job, GPU-hours lost to them, and average JCT relative to FIFO and to backfill-SJF with perfect
+estimates. ``las``' levels adapt to the ended jobs' services and Gittins ranks over them: they
+start from the services of another seeded trace (the cluster's history; on a public trace, from
+nothing) and learn from the jobs that finish; ``las 1h,10h`` is ``las`` with Tiresias' fixed
+levels. Other public traces (Philly, Helios, PAI) were not brought in: pass one converted to the
+trace CSV with ``--trace``.
 
 A third table replays each trace with elastic jobs (issue 29): ``--elastic-fraction`` of its
 multi-GPU jobs (seeded) may run on as few as half their workers (one worker per GPU), at the
@@ -39,15 +41,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from raydeck.scheduling import (
-    Gittins,
-    Policy,
     PreemptionCost,
     Report,
     Resources,
@@ -58,9 +57,10 @@ from raydeck.scheduling import (
     simulate,
 )
 from raydeck.scheduling.policies.attained_service import service_rate
+from raydeck.scheduling.simulator import comparison
+from raydeck.scheduling.simulator.comparison import ideal
 
 POLICIES = ("fifo", "priority", "fairshare", "sjf", "backfill", "backfill-sjf")
-COMPARED = ("fifo", "sjf", "backfill-sjf", "las", "gittins")
 TRACES = Path(__file__).parent / "traces"
 
 
@@ -118,7 +118,7 @@ def main() -> None:
                         dataclasses.replace(job, checkpoint_s=checkpoint_minutes * 60)
                         for job in trace]
         policies(trace, checkpointed, capacity, aging_s)
-        # Gittins' prior: the generated cluster's history, or nothing on a public trace.
+        # las' and gittins' history: the generated cluster's, or none on a public trace.
         services = ([service_rate(job.needs) * job.duration_s for job in history]
                     if source.startswith("generated") else [])
         compare(checkpointed, capacity, aging_s, args.estimate_error, args.seed, services)
@@ -153,33 +153,22 @@ def policies(trace: list[TraceJob], checkpointed: list[TraceJob], capacity: Reso
 def compare(trace: list[TraceJob], capacity: Resources, aging_s: float, error: float,
             seed: int, services: list[float]) -> None:
     """The second table (module docstring): ``trace`` has checkpoints; ``services`` are the
-    cluster's past jobs' GPU-seconds, Gittins' prior."""
-    perfect = [dataclasses.replace(job, estimate_s=job.duration_s) for job in trace]
-    rng = random.Random(seed)
-    noisy = [dataclasses.replace(job, estimate_s=job.duration_s * math.exp(rng.gauss(0, error)))
-             for job in trace]
+    cluster's past jobs' GPU-seconds, where las' levels and gittins start from."""
     cost = PreemptionCost()
-
-    def replay(name: str, jobs: list[TraceJob]) -> Report:
-        policy: Policy = (Gittins(aging_s, services=services) if name == "gittins"
-                          else make_policy(name, aging_s=aging_s))
-        return Report.of(name, simulate(jobs, policy, capacity, cost=cost), capacity)
-
-    ideal = replay("backfill-sjf", perfect).avg_completion_s
+    best = ideal(trace, capacity, aging_s, cost).avg_completion_s
+    rows = comparison.compare(trace, capacity, aging_s, error, seed, services, cost)
+    fifo = rows[0].report.avg_completion_s
     print(f"\npreemption cost: work since the last checkpoint + {cost.restart_s:g} s restart; "
-          f"JCT/ideal: over backfill-sjf with perfect estimates")
-    print(f"{'trace':<18} {'policy':<13} {'avg JCT':>9} {'p95 JCT':>9} {'avg wait':>9} "
+          f"JCT/ideal: over backfill-sjf with perfect estimates; fifo, las and gittins read no "
+          f"estimates (one row)")
+    print(f"{'estimates':<11} {'policy':<13} {'avg JCT':>9} {'p95 JCT':>9} {'avg wait':>9} "
           f"{'preempt/job':>11} {'GPU-h lost':>10} {'JCT/FIFO':>9} {'JCT/ideal':>9}")
-    for label, jobs in (("as is", trace), (f"estimates x LN({error:g})", noisy)):
-        fifo = None
-        for name in COMPARED:
-            report = replay(name, jobs)
-            fifo = fifo or report
-            print(f"{label:<18} {name:<13} {report.avg_completion_s / 60:8.1f}m"
-                  f" {report.p95_completion_s / 60:8.1f}m {report.avg_wait_s / 60:8.1f}m"
-                  f" {report.preemptions / report.jobs:11.2f} {report.lost_gpu_hours:10.1f}"
-                  f" {report.avg_completion_s / fifo.avg_completion_s:9.2f}"
-                  f" {report.avg_completion_s / ideal:9.2f}")
+    for row in rows:
+        report = row.report
+        print(f"{row.estimates:<11} {row.policy:<13} {report.avg_completion_s / 60:8.1f}m"
+              f" {report.p95_completion_s / 60:8.1f}m {report.avg_wait_s / 60:8.1f}m"
+              f" {report.preemptions / report.jobs:11.2f} {report.lost_gpu_hours:10.1f}"
+              f" {report.avg_completion_s / fifo:9.2f} {report.avg_completion_s / best:9.2f}")
 
 
 def elastic_variant(trace: list[TraceJob], fraction: float, scaling: float,

@@ -43,9 +43,6 @@ TEST_ENV = {
     "RAYDECK_QUEUE_TICK_S": "1",
     # Ray Train polls its workers every 2 s by default; 0.5 s saves seconds per job.
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
-    # Ray Train's spot-node preemption watcher is one more actor process per fit (about 2 CPU-s
-    # to start); no test drains a node, and raydeck's own preemption does not use it.
-    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     # Under HAProxy (Serve's ingress on the session's Ray) a replica being stopped keeps
     # answering for 30 s so that HAProxy stops sending to it first; every `serve --stop`, deleted
     # application and the module's `serve.shutdown()` waited it out. HAProxy drops a removed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -92,6 +93,22 @@ def _job_status(head: RayHead, submission_id: str) -> str:
 def _job_seconds(head: RayHead, submission_id: str) -> float:
     info = _job_info(head, submission_id)
     return float(info.end_time - info.start_time) / 1000
+
+
+# An error-level line of a job's log: Python logging's ERROR or CRITICAL, or a Ray process's C++
+# log line at E or F, e.g. "(TrainController pid=1) [2026-12-07 10:13:07,340 E 1 2] core_worker.cc".
+ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|\[\d{4}-\d\d-\d\d [\d:,.]+ [EF] \d+ \d+\]")
+
+
+def _assert_no_error_lines(head: RayHead, submission_id: str) -> None:
+    """A healthy job's log has no error-level line. Issue 51: every job's log carried Ray Core's
+    ERROR about the constructor arguments of Ray Train's PreemptionWatcher (a false alarm;
+    raydeck.train.trainer.without_preemption_watcher). The head's environment leaves Ray
+    Train's switch unset, as an operator's does."""
+    assert "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER" not in head.env
+    log = _client(head).get_job_logs(submission_id)
+    errors = [line for line in log.splitlines() if ERROR_LINE.search(line)]
+    assert not errors, "\n".join(errors)
 
 
 def _assert_both_workers_logged(client: Any, run: Any, keys: tuple[str, ...]) -> None:
@@ -271,6 +288,25 @@ def test_an_unreachable_cluster_is_one_line_and_exit_2(command: list[str]) -> No
     assert line.startswith(f"error: cannot reach the Ray job server at {address} (")
 
 
+@pytest.mark.timeout(60)
+def test_jobs_train_without_ray_trains_preemption_watcher_unless_the_user_sets_it(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """raydeck's fits switch Ray Train's PreemptionWatcher off (its creation logs a Ray Core
+    ERROR in every job: _assert_no_error_lines), through the variable Ray Train hands from the
+    driver to its controller; a user's own setting wins."""
+    from ray.train.v2._internal.constants import get_env_vars_to_propagate
+
+    from raydeck.train.trainer import PREEMPTION_WATCHER_ENV, without_preemption_watcher
+
+    monkeypatch.delenv(PREEMPTION_WATCHER_ENV, raising=False)
+    without_preemption_watcher()
+    assert get_env_vars_to_propagate()[PREEMPTION_WATCHER_ENV] == "0"
+    monkeypatch.setenv(PREEMPTION_WATCHER_ENV, "1")
+    without_preemption_watcher()
+    assert get_env_vars_to_propagate()[PREEMPTION_WATCHER_ENV] == "1"
+
+
 # --- against a real head --------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(JOB_TIMEOUT_S + 120)
@@ -297,6 +333,7 @@ def test_ray_job_submit_runs_the_torch_job_with_the_cpu_runtime_env(
     _assert_both_workers_logged(mlflow_client, run, ("train_loss", "val_accuracy"))
     assert run.data.params["preset"] == "cpu-2"
     assert run.data.tags["raydeck.checkpoint.latest_epoch"] == str(EPOCHS - 1)
+    _assert_no_error_lines(ray_head, submission_id)
 
 
 @pytest.mark.slow
@@ -398,6 +435,7 @@ def test_raydeck_submit_runs_the_lightning_job_then_lists_it(
           f"{_job_seconds(ray_head, submission_id):.0f} s")
     run = _run_of(mlflow_client, run_id, experiment)
     _assert_both_workers_logged(mlflow_client, run, ("train_loss_epoch", "val_accuracy"))
+    _assert_no_error_lines(ray_head, submission_id)
     link = f"{shell_uri}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}"
     assert f"SUCCEEDED {submission_id}" in out and link in out
     # The job's own tracker logged to the shell's MLFLOW_TRACKING_URI, not the head's URI.

@@ -30,7 +30,8 @@ from raydeck.config.settings import Settings, load_settings
 from raydeck.config.stack_credentials import SECRET_NAMES, Credentials
 from raydeck.errors import ConfigError
 from raydeck.jobs.submission import submitted_runtime_env
-from raydeck.k8s import kuberay
+from raydeck.k8s import kuberay, manifests
+from raydeck.k8s.options import DEFAULT_IMAGE, KubeRayOptions, WorkerBounds
 from raydeck.serving import ServeOptions, serve_config
 from raydeck.stack.launchers import LAUNCHERS, StackContext
 from raydeck.stack.services import SECRET_SETTINGS_ENV, SERVICES, service
@@ -40,11 +41,15 @@ ROOT = Path(__file__).resolve().parents[2]
 SCHEMAS = Path(__file__).resolve().parents[1] / "schemas"
 KUBERAY = SCHEMAS / "kuberay-v1.7.0"
 PROMETHEUS_OPERATOR = SCHEMAS / "prometheus-operator-v0.93.0"
+KUEUE = SCHEMAS / "kueue-v0.19.2"
 CRDS = {
     "RayCluster": KUBERAY / "ray.io_rayclusters.yaml",
     "RayJob": KUBERAY / "ray.io_rayjobs.yaml",
     "RayService": KUBERAY / "ray.io_rayservices.yaml",
     "PodMonitor": PROMETHEUS_OPERATOR / "monitoring.coreos.com_podmonitors.yaml",
+    **{kind: KUEUE / f"kueue.x-k8s.io_{plural}.yaml" for kind, plural in (
+        ("ResourceFlavor", "resourceflavors"), ("ClusterQueue", "clusterqueues"),
+        ("LocalQueue", "localqueues"), ("WorkloadPriorityClass", "workloadpriorityclasses"))},
 }
 KUBERNETES_VERSION = "1.37"  # kubernetes-validate 1.37.0's newest schemas
 COMPOSE_TEXT = (ROOT / "docker" / "docker-compose.yml").read_text()
@@ -71,13 +76,20 @@ def _crd_validator(kind: str) -> jsonschema.protocols.Validator:
     # libyaml's loader: the pure-Python one takes ~10 s for KubeRay's 1-3 MB CRDs.
     crd = yaml.load(CRDS[kind].read_text(), Loader=yaml.CSafeLoader)
     assert crd["spec"]["names"]["kind"] == kind
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    served = manifest_version(kind)
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == served]
     schema = _strict(version["schema"]["openAPIV3Schema"])
     jsonschema.Draft7Validator.check_schema(schema)
     return jsonschema.Draft7Validator(schema)
 
 
+def manifest_version(kind: str) -> str:
+    """The API version raydeck renders ``kind`` at: Kueue's v1beta2, the others' v1."""
+    return "v1beta2" if CRDS[kind].parent == KUEUE else "v1"
+
+
 def _validate_custom(manifest: dict[str, Any]) -> None:
+    assert manifest["apiVersion"].rsplit("/", 1)[1] == manifest_version(manifest["kind"])
     errors = sorted(_crd_validator(manifest["kind"]).iter_errors(manifest), key=str)
     assert not errors, "\n".join(f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
                                  for e in errors)
@@ -94,8 +106,8 @@ def _settings(**env: str) -> Settings:
 
 
 def _render(settings: Settings | None = None,
-            options: kuberay.KubeRayOptions | None = None) -> dict[str, dict[str, Any]]:
-    return kuberay.render(options or kuberay.KubeRayOptions(), settings or _settings(),
+            options: KubeRayOptions | None = None) -> dict[str, dict[str, Any]]:
+    return manifests.render(options or KubeRayOptions(), settings or _settings(),
                           kuberay.job_request("jobs/digits_torch.py", "cpu-2"),
                           ServeOptions(model_uri="models:/digits@champion"))
 
@@ -142,7 +154,7 @@ def test_custom_resources_validate_against_the_kuberay_and_prometheus_operator_c
 
 
 def test_core_objects_and_every_pod_template_validate_against_kubernetes_schemas() -> None:
-    manifests = _render(options=kuberay.KubeRayOptions(storage_class="fast-ssd"))
+    manifests = _render(options=KubeRayOptions(storage_class="fast-ssd"))
     _validate_core(manifests[f"{kuberay.CLUSTER_DIR}/spool-pvc.yaml"])
     for template in _pod_templates(manifests):
         _validate_core({"apiVersion": "v1", "kind": "PodTemplate",
@@ -222,7 +234,7 @@ def test_every_ray_pod_serves_through_haproxy_unless_told_not() -> None:
             "name": "RAY_SERVE_ENABLE_HA_PROXY", "value": "1"}
         assert _env(template["spec"]["containers"][0])["RAY_SERVE_HAPROXY_RETRY_ON"][
             "value"] == HAPROXY_RETRY_ON
-    head, workers = _head_and_worker_env(_render(options=kuberay.KubeRayOptions(
+    head, workers = _head_and_worker_env(_render(options=KubeRayOptions(
         haproxy_ingress=False)))
     assert {env["RAY_SERVE_ENABLE_HA_PROXY"]["value"] for env in (head, *workers)} == {"0"}
 
@@ -243,7 +255,7 @@ def test_ports_image_and_paths_are_the_compose_files() -> None:
             "command"]
         assert _compose_value(COMPOSE[compose_name]["shm_size"]) == "2gb"
     assert kuberay.SHM_SIZE == "2Gi"
-    assert _compose_value(COMPOSE["ray-head"]["image"]) == kuberay.DEFAULT_IMAGE
+    assert _compose_value(COMPOSE["ray-head"]["image"]) == DEFAULT_IMAGE
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
     assert f"WORKDIR {kuberay.IMAGE_CODE_DIR}\nCOPY" in dockerfile
     assert "COPY --chown=ray:users jobs/ jobs/" in dockerfile
@@ -315,15 +327,15 @@ def test_the_job_is_submits_and_the_service_is_serves() -> None:
 
 def test_options_are_checked() -> None:
     with pytest.raises(ConfigError, match="MIN:MAX"):
-        kuberay.WorkerBounds.parse("4", "--gpu-workers")
+        WorkerBounds.parse("4", "--gpu-workers")
     with pytest.raises(ConfigError, match="0 <= MIN <= MAX"):
-        kuberay.WorkerBounds.parse("5:2", "--cpu-workers")
+        WorkerBounds.parse("5:2", "--cpu-workers")
     with pytest.raises(ConfigError, match="--name"):
-        kuberay.KubeRayOptions(name="Ray_Deck")
+        KubeRayOptions(name="Ray_Deck")
     with pytest.raises(ConfigError, match="--tracking-uri"):
-        kuberay.KubeRayOptions(tracking_uri="sqlite:///mlflow.db")  # a pod's own disk
+        KubeRayOptions(tracking_uri="sqlite:///mlflow.db")  # a pod's own disk
     with pytest.raises(ConfigError, match="--spool-size"):
-        kuberay.KubeRayOptions(spool_size="lots")
+        KubeRayOptions(spool_size="lots")
     with pytest.raises(ConfigError, match="--job"):
         kuberay.job_request("../outside.py", "cpu-2")
 

@@ -12,8 +12,9 @@ presets, and the jobs holding the nodes take real Ray resources.
 
 from __future__ import annotations
 
-import getpass
 import json
+import os
+import pwd
 import re
 import shutil
 import subprocess
@@ -82,12 +83,10 @@ class Cluster:
     log: Path
     prometheus: PrometheusServer
 
-    def cli(self, *args: str, user: str | None = None, columns: int | None = None
-            ) -> subprocess.CompletedProcess[str]:
-        """``raydeck ARGS``; ``user``: as that OS user name (what ``getpass`` reads);
-        ``columns``: the terminal's width, when a table's row must fit one line."""
-        env = {**self.env, "LOGNAME": user, "USER": user} if user else self.env
-        env = {**env, "COLUMNS": str(columns)} if columns else env
+    def cli(self, *args: str, columns: int | None = None) -> subprocess.CompletedProcess[str]:
+        """``raydeck ARGS``; ``columns``: the terminal's width, when a table's row must fit one
+        line."""
+        env = {**self.env, "COLUMNS": str(columns)} if columns else self.env
         return subprocess.run([sys.executable, "-m", "raydeck.cli", *args], cwd=self.workdir,
                               env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
 
@@ -219,10 +218,17 @@ def test_bad_input_is_one_line_exit_2_and_queues_nothing(cluster: Cluster) -> No
     assert "duration 'soon'" in _one_error_line(estimate)
     assert "policy 'lottery' is not one of" in _one_error_line(
         cluster.cli("queue", "--policy", "lottery"))
-    # Who may, through the CLI and the actor: another OS user may not change the teams file
-    # (this user is its admin). The other rules: tests/scheduling/test_queue_identity.py.
-    assert "--teams/--policy/--aging: only the queue's admins" in _one_error_line(
-        cluster.cli("queue", "--teams", str(_teams(cluster)), user="mallory"))
+    # Who may, through the CLI and the actor: while the head's admins file names another
+    # account, this one may not change the teams file, whatever LOGNAME and USER say (issue
+    # 52). The other rules: tests/scheduling/test_queue_identity.py.
+    admins = _admins(cluster, "mallory")
+    spoofed = {**cluster.env, "LOGNAME": "mallory", "USER": "mallory"}
+    refused = subprocess.run([sys.executable, "-m", "raydeck.cli", "queue", "--teams",
+                              str(_teams(cluster))], cwd=cluster.workdir, env=spoofed,
+                             capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
+    assert (f"--teams/--policy/--aging: only the queue's admins (mallory) may change them, not "
+            f"user {_me()}") in _one_error_line(refused)
+    admins.write_text(f"{_me()}\n")
     listing = _ok(cluster.cli("queue"))
     assert "policy priority" in listing
     for name in ("bad-team", "bad-prio", "too-large", "unplaceable"):
@@ -238,10 +244,26 @@ def test_bad_input_is_one_line_exit_2_and_queues_nothing(cluster: Cluster) -> No
     assert not commands & {row["job_id"] for row in listed}, listed
 
 
+def _me() -> str:
+    """This process's OS account, as raydeck's commands name it."""
+    return pwd.getpwuid(os.getuid()).pw_name
+
+
+def _admins(cluster: Cluster, names: str) -> Path:
+    """The head's admins file (in its data dir, written by its account: this one), naming
+    ``names``."""
+    path = cluster.workdir.parent / "data" / "queue-admins"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{names}\n")
+    path.chmod(0o644)
+    return path
+
+
 def _teams(cluster: Cluster) -> Path:
-    """The teams file, this user its admin."""
+    """The teams file, this user the queue's admin (on the head)."""
+    _admins(cluster, _me())
     path = cluster.workdir.parent / "teams.yaml"
-    path.write_text(yaml.safe_dump({**TEAMS, "admins": [getpass.getuser()]}))
+    path.write_text(yaml.safe_dump(TEAMS))
     return path
 
 
@@ -349,16 +371,15 @@ def _placement_groups(cluster: Cluster) -> dict[str, Any]:
 
 
 def _placed_as_the_queue_sees_it(cluster: Cluster, submission_id: str) -> bool:
-    """``RayJobs.placed`` in a process connected to the queue's cluster as its actor is: no
-    RAY_ADDRESS or RAY_API_SERVER_ADDRESS in its environment."""
+    """``RayJobs.placed`` in a process connected to the queue's cluster as its actor is: its job
+    server found from the cluster, no RAY_ADDRESS or RAY_API_SERVER_ADDRESS in its environment."""
     script = (
         "import os, ray\n"
         f"ray.init(address={cluster.head.gcs_address!r}, logging_level='ERROR')\n"
         "for name in ('RAY_ADDRESS', 'RAY_API_SERVER_ADDRESS'):\n"
         "    os.environ.pop(name, None)\n"
-        "from raydeck.jobs.submission import JobServer\n"
         "from raydeck.scheduling.queue.ray_jobs import RayJobs\n"
-        f"print(RayJobs(JobServer.from_env({cluster.head.address!r})).placed({submission_id!r}))\n")
+        f"print(RayJobs().placed({submission_id!r}))\n")
     return cluster.python(script).splitlines()[-1] == "True"
 
 
@@ -802,6 +823,48 @@ def _served(cluster: Cluster, app: str) -> tuple[int, set[str]]:
             {r["replica_id"] for r in deployment["replicas"] if r["state"] != "STOPPING"})
 
 
+# The queue's Serve client, whose read is followed by a user's deploy of the same application
+# with its own downscale_delay_s (7 s), before the client writes max_replicas 1.
+_RACING_DEPLOY = """
+import ray
+from raydeck.scheduling.queue.serve_apps import RayServe, ServeConfigChanged
+from raydeck.serving.deploy_config import deployed_config, with_application
+
+ray.init()
+
+
+class Racing(RayServe):
+    armed = False
+
+    def _request(self, method, body=None):
+        answer = super()._request(method, body)
+        if method == "GET" and Racing.armed:
+            Racing.armed = False
+            config = deployed_config(answer, APP)
+            for entry in config["deployments"]:
+                entry["autoscaling_config"] = {**entry["autoscaling_config"],
+                                               "downscale_delay_s": 7.0}
+            super()._request("PUT", with_application(answer, config))
+        return answer
+
+
+serve = Racing()
+(app,) = [a for a in serve.applications() if a.app == APP]
+Racing.armed = True
+try:
+    serve.limit(app, 1)
+    print("written")
+except ServeConfigChanged:
+    print("kept")
+"""
+
+
+def _autoscaling(cluster: Cluster, app: str) -> dict[str, Any]:
+    """The autoscaling config Serve has for ``raydeck serve``'s deployment of ``app``."""
+    deployment = _serve_details(cluster)["applications"][app]["deployments"]["ModelServer"]
+    return dict(deployment["deployment_config"]["autoscaling_config"])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_served_model_gives_back_replicas_for_a_waiting_job_and_gets_them_back(
@@ -848,6 +911,13 @@ def test_a_served_model_gives_back_replicas_for_a_waiting_job_and_gets_them_back
         assert len(_served(cluster, app)[1] & replicas) == 2
         assert _job_info(cluster, "raydeck-sv-job").status.value == "SUCCEEDED"
         assert _predict(url) == 3.0
+        # Issue 52: a `serve deploy` landing between the queue's read of Serve's config and its
+        # write is never reverted by that write: the queue's own RayServe, in a driver on the
+        # cluster, with a user's deploy made (through the same REST API) right after its read.
+        assert cluster.python(_RACING_DEPLOY.replace("APP", repr(app))).split()[-1] == "kept"
+        _explained(cluster, lambda: _autoscaling(cluster, app)["downscale_delay_s"] == 7.0, 60,
+                   "the user's deploy to apply", "raydeck-sv-job")
+        assert _autoscaling(cluster, app)["max_replicas"] == 3  # not the queue's 1
     finally:
         cluster.release_file("sv-job").touch()
         cluster.cli("serve", "--stop", "--name", app)

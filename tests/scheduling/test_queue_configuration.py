@@ -48,7 +48,6 @@ def _state(queue: JobQueue, job_id: str) -> tuple[str, str]:
                                        r"> 0, e.g. 1h,10h$"),
     (dict(thresholds_s=(60.0, 60.0)), r"^--thresholds=60s,60s: must be increasing"),
     (dict(thresholds_s=(0.0,)), r"^--thresholds=0s: must be increasing"),
-    (dict(thresholds_s=()), r"^--thresholds=: must be increasing"),
     (dict(min_run_s=0.0), r"^--min-run=0.0: must be > 0 seconds, e.g. 10m$"),
     (dict(min_run_s=float("inf")), r"^--min-run=inf: must be > 0 seconds"),
     (dict(aging_s=-1.0), r"^--aging=-1.0: must be > 0 seconds$"),
@@ -66,11 +65,20 @@ def test_a_bad_setting_is_one_line_naming_it_and_changes_nothing(
 def test_thresholds_parse_as_gpu_times_and_a_bad_one_names_the_option() -> None:
     assert parse_thresholds("1h,10h") == (3600.0, 36000.0)
     assert parse_thresholds("30,5m") == (30.0, 300.0)
+    assert parse_thresholds("auto") == ()  # adaptive levels again
     for bad in ("1h,,10h", "soon", "-1"):
         with pytest.raises(ConfigError, match=rf"^--thresholds={bad}: must be comma-separated "
                                               r"GPU-times, each a positive duration, e.g. "
-                                              r"1h,10h \(1 then 10 GPU-hours\)$"):
+                                              r"1h,10h \(1 then 10 GPU-hours\), or auto "):
             parse_thresholds(bad)
+
+
+def test_pinned_las_thresholds_go_back_to_adaptive_with_auto(tmp_path: Path) -> None:
+    queue = _queue(tmp_path / "q.db", FakeJobServer(), [1e6])
+    queue.configure(Identity.here(), "las", thresholds_s=(60.0, 600.0))
+    assert "thresholds 1m,10m GPU-time" in queue.describe()
+    queue.configure(Identity.here(), thresholds_s=parse_thresholds("auto"))
+    assert "thresholds adaptive: " in queue.describe()
 
 
 def test_las_thresholds_and_the_minimum_run_outlive_the_queue_actor(tmp_path: Path) -> None:
@@ -85,11 +93,11 @@ def test_las_thresholds_and_the_minimum_run_outlive_the_queue_actor(tmp_path: Pa
     queue.submit(_spec("long"))
     assert queue.tick() == ["long"]
     clock[0] += 20.0  # 4 CPUs x 20 s = 80 CPU-s: past 60
-    assert queue.checkpointed("long") is False
+    assert queue.checkpointed("long", server.tokens["long"]) is False
     queue.submit(_spec("short"))
     assert queue.tick() == []
     assert _state(queue, "long") == ("preempting", "Q1 of 3")
-    assert queue.checkpointed("long") is True
+    assert queue.checkpointed("long", server.tokens["long"]) is True
     server.exit("long", 75)
     assert queue.tick() == ["short"]
     server.exit("short", 0)
@@ -97,7 +105,8 @@ def test_las_thresholds_and_the_minimum_run_outlive_the_queue_actor(tmp_path: Pa
     resumed = clock[0]
     queue.submit(_spec("next"))
     clock[0] += 10.0
-    assert queue.checkpointed("long") is False  # a new checkpoint, but 10 s < 30 s of running
+    # A new checkpoint, but 10 s < 30 s of running.
+    assert queue.checkpointed("long", server.tokens["long"]) is False
     assert queue.tick() == [] and _state(queue, "long")[0] == "running"
     clock[0] = resumed + 30.0
     assert queue.tick() == [] and _state(queue, "long")[0] == "preempting"
@@ -107,11 +116,11 @@ def test_raydeck_queue_sets_the_thresholds_and_minimum_run_and_shows_them(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     queue = _queue(tmp_path / "q.db", FakeJobServer(), [0.0])
 
-    def listing(settings: object, server: object, change: ConfigChange
+    def listing(settings: object, server: object, change: ConfigChange, ended: bool = False
                 ) -> tuple[str, list[Entry]]:  # the queue actor's answer, without Ray
         queue.configure(Identity.here(), change.policy, change.aging_s, change.teams,
                         change.thresholds_s, change.min_run_s)
-        return queue.describe(), queue.listing()
+        return queue.describe(), queue.listing(ended)
 
     monkeypatch.setattr(client, "listing", listing)
     monkeypatch.setenv("COLUMNS", "300")

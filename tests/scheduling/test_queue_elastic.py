@@ -96,8 +96,10 @@ def test_the_job_keeps_ray_train_within_the_size_the_queue_allows(
     assert queue.tick() == ["E", "holder"]  # submitted together: in id order
     store = Store(f"sqlite:///{tmp_path / 'q.db'}")
     env = queue_env(store.get("E"))  # what Ray's launcher sets in the job's runtime env
-    assert env == {contract.QUEUE_JOB_ENV: "E", contract.QUEUE_WORKERS_ENV: "2"}
-    assert queue_env(store.get("holder")) == {contract.QUEUE_JOB_ENV: "holder"}
+    assert env == {contract.QUEUE_JOB_ENV: "E", contract.QUEUE_WORKERS_ENV: "2",
+                   contract.QUEUE_TOKEN_ENV: server.tokens["E"]}
+    assert queue_env(store.get("holder")) == {contract.QUEUE_JOB_ENV: "holder",
+                                              contract.QUEUE_TOKEN_ENV: server.tokens["holder"]}
     elastic = ScalingConfig(num_workers=(1, 4), resources_per_worker={"CPU": 1})
     for allowed, expected in (("2", (1, 2)), ("1", 1), ("9", (1, 4))):
         monkeypatch.setenv(contract.QUEUE_WORKERS_ENV, allowed)
@@ -120,7 +122,8 @@ def _shrunk_for_urgent(tmp_path: Path) -> tuple[JobQueue, FakeJobServer, list[fl
     assert queue.tick() == ["E", "L"]  # submitted together: in id order
     assert server.cpus["E"] == 3.0
     clock[0] = 600.0
-    assert queue.checkpointed("L") is False and queue.checkpointed("E") is False
+    assert queue.checkpointed("L", server.tokens["L"]) is False
+    assert queue.checkpointed("E", server.tokens["E"]) is False
     queue.submit(_fixed("U", 2, priority=5))
     assert queue.tick() == []
     e = _entry(queue, "E")
@@ -134,8 +137,9 @@ def test_an_elastic_job_shrinks_at_its_checkpoint_before_anyone_is_preempted_and
         tmp_path: Path) -> None:
     queue, server, clock = _shrunk_for_urgent(tmp_path)
     clock[0] += 60
-    assert queue.checkpointed("E") is True  # told at this checkpoint; its driver exits 75
-    assert queue.preempted("E") == 1
+    # Told at this checkpoint; its driver exits 75.
+    assert queue.checkpointed("E", server.tokens["E"]) is True
+    assert queue.preempted("E", server.tokens["E"]) == 1
     server.exit("E", 75)
     # Relaunched at once at its smaller size (no queueing), and U starts in the room it freed.
     assert queue.tick() == ["U"]
@@ -151,7 +155,7 @@ def test_the_allowed_size_and_a_pending_resize_survive_a_queue_restart(tmp_path:
     queue = _queue(tmp_path / "q.db", server, clock)  # the queue actor restarted
     assert _entry(queue, "E").job.size == "workers 3 of 1-4 -> 1"
     clock[0] += 60
-    assert queue.checkpointed("E") is True
+    assert queue.checkpointed("E", server.tokens["E"]) is True
     server.exit("E", 75)
     assert queue.tick() == ["U"]
     assert server.cpus["E-r1"] == 1.0
@@ -164,7 +168,7 @@ def test_an_elastic_job_grows_back_when_room_returns_and_no_waiting_job_can_use_
         tmp_path: Path) -> None:
     queue, server, clock = _shrunk_for_urgent(tmp_path)
     clock[0] += 60
-    assert queue.checkpointed("E") is True
+    assert queue.checkpointed("E", server.tokens["E"]) is True
     server.exit("E", 75)
     assert queue.tick() == ["U"]
     relaunched = clock[0]
@@ -173,7 +177,7 @@ def test_an_elastic_job_grows_back_when_room_returns_and_no_waiting_job_can_use_
     # checkpoint of its own.
     assert queue.tick() == [] and _entry(queue, "E").job.state == "running"
     clock[0] = relaunched + MIN_RUN_BEFORE_PREEMPTION_S
-    assert queue.checkpointed("E") is False
+    assert queue.checkpointed("E", server.tokens["E"]) is False
     # A job that could use the room waits first: W (2 CPUs) starts, E does not grow into it.
     queue.submit(_fixed("W", 2))
     assert queue.tick() == ["W"]
@@ -187,7 +191,7 @@ def test_an_elastic_job_grows_back_when_room_returns_and_no_waiting_job_can_use_
     queue.submit(_fixed("X", 1))
     assert queue.tick() == []
     clock[0] += 60
-    assert queue.checkpointed("E") is True
+    assert queue.checkpointed("E", server.tokens["E"]) is True
     server.exit("E-r1", 75)
     assert queue.tick() == []
     assert server.submitted[-1] == "E-r2" and server.cpus["E-r2"] == 3.0
@@ -202,7 +206,7 @@ def test_a_growth_not_reached_at_a_checkpoint_in_the_grace_period_is_dropped(
     queue.submit(_elastic("E"))
     assert queue.tick() == ["E", "holder"]  # submitted together: in id order
     clock[0] = 60.0
-    assert queue.checkpointed("E") is False
+    assert queue.checkpointed("E", server.tokens["E"]) is False
     server.exit("holder", 0)
     assert queue.tick() == [] and _entry(queue, "E").job.size == "workers 2 of 1-4 -> 4"
     clock[0] += 301.0  # no checkpoint since: nothing waits on a growth, so it is not forced
@@ -218,9 +222,9 @@ def test_raydeck_queue_shows_each_elastic_jobs_size_and_range(
     queue.submit(_elastic("E", high=2))
     assert queue.tick() == ["E", "holder"]  # submitted together: in id order
 
-    def listing(settings: object, server: object, change: ConfigChange
+    def listing(settings: object, server: object, change: ConfigChange, ended: bool = False
                 ) -> tuple[str, list[Entry]]:  # the queue actor's answer, without Ray
-        return queue.describe(), queue.listing()
+        return queue.describe(), queue.listing(ended)
 
     monkeypatch.setattr(client, "listing", listing)
     monkeypatch.setenv("COLUMNS", "300")
@@ -268,7 +272,7 @@ def test_an_elastic_job_grows_only_by_workers_a_node_has_room_for(tmp_path: Path
     # Two 2-CPU workers need 2 CPUs on each of two nodes; node 1 has 1 free: E starts at 1.
     assert queue.tick() == ["E"] and server.cpus["E"] == 2.0
     clock[0] = MIN_RUN_BEFORE_PREEMPTION_S + 1
-    assert queue.checkpointed("E") is False
+    assert queue.checkpointed("E", server.tokens["E"]) is False
     # 2 CPUs are free in all, 1 on each node: no node takes a second worker, so E does not grow.
     assert queue.tick() == []
     e = _entry(queue, "E").job

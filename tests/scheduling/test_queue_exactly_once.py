@@ -61,7 +61,7 @@ def test_a_job_whose_run_finished_while_the_head_was_down_is_not_run_again(
         run = mlflow_client.create_run(experiment, tags={RUN_KEY_TAG: keys[job]})
         if job == "done":
             mlflow_client.set_terminated(run.info.run_id, "FINISHED")
-    queue.completed("trained")
+    queue.completed("trained", store.get("trained").token)  # type: ignore[union-attr]
 
     restarted = FakeJobServer()  # the restarted head's job server knows no job
     queue = JobQueue(store, restarted, run_finished=runs)

@@ -14,6 +14,7 @@ the head would refuse.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from raydeck.scheduling.queue.client import head_runtime_env
 from raydeck.scheduling.queue.failures import Backoff, classify
 from raydeck.scheduling.queue.identity import Identity
 from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec, Launcher
+from raydeck.scheduling.queue.launcher import JobState
 from raydeck.scheduling.queue.store import JobRow, Store
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,7 +67,7 @@ class _JobServer(Launcher):
     def __init__(self) -> None:
         self.jobs: dict[str, str] = {}
         self.answers: dict[str, list[Exception]] = {}
-        self.status_errors: dict[str, Exception] = {}
+        self.status_error: Exception | None = None
         self.stop_error: Exception | None = None
         self.stopped: list[str] = []
 
@@ -85,10 +87,13 @@ class _JobServer(Launcher):
             raise pending.pop(0)
         self.jobs[row.submission_id] = "RUNNING"
 
-    def status(self, submission_id: str) -> str | None:
-        if submission_id in self.status_errors:
-            raise self.status_errors[submission_id]
-        return self.jobs.get(submission_id)
+    def statuses(self, submission_ids: Collection[str]) -> dict[str, JobState]:
+        if self.status_error is not None:
+            raise self.status_error
+        return {s: JobState(self.jobs[s]) for s in submission_ids if s in self.jobs}
+
+    def log_tail(self, submission_id: str) -> str:
+        return ""
 
     def stop(self, submission_id: str) -> None:
         if self.stop_error is not None:
@@ -188,12 +193,12 @@ def test_a_transient_failure_is_retried_with_backoff_and_starts_once_the_server_
     assert (state, why) == ("running", "running")
 
 
-def test_one_jobs_status_that_cannot_be_read_does_not_stop_the_tick(tmp_path: Path) -> None:
+def test_statuses_that_cannot_be_read_do_not_stop_the_tick(tmp_path: Path) -> None:
     server, clock = _JobServer(), [100.0]
     queue = _queue(tmp_path, server, clock)
     queue.submit(_spec("running"))
     assert queue.tick() == ["running"]
-    server.status_errors["running"] = _unreachable()
+    server.status_error = _unreachable()
     queue.submit(_spec("next"))
     assert queue.tick() == ["next"]
 

@@ -1,7 +1,9 @@
 """Issue 28: ``gittins`` in the real queue ranks jobs by the durations of finished runs in
 MLflow (a real MLflow server): the job key's own runs when it has them, the cluster's
 otherwise, read outside the queue's lock (at a submission, and at a tick for jobs never read)
-and kept (:class:`~raydeck.scheduling.queue.history.CachedHistory`). The job server is the fake."""
+and kept (:class:`~raydeck.scheduling.queue.history.CachedHistory`). Issue 52: the service each job
+attained and the history ``las``' levels adapt to are in the queue's database, so a configure or
+a restarted queue ranks as before. The job server is the fake."""
 
 from __future__ import annotations
 
@@ -104,3 +106,94 @@ def test_the_cache_keeps_what_it_read_when_mlflow_fails() -> None:
     with pytest.raises(KeyError):
         cache("k")  # a submission's read raises for predict's fallback; the old stays
     assert cache.runs("k") == [10.0, 30.0]
+
+
+# Issue 52: attained service and the history las' levels adapt to are the queue's store's.
+
+def _cpu_job(job_id: str) -> JobSpec:
+    # The fake server's whole node: one at a time, the service in CPU-seconds (4 a second).
+    return JobSpec(job_id, "a", 0, "custom", Resources(cpus=4), job_id, "python job.py", {})
+
+
+def _ranks(queue: JobQueue) -> list[tuple[str, str]]:
+    return [(e.job.id, e.rank) for e in queue.listing() if e.position is not None]
+
+
+def _attained(store: Store, job_id: str) -> float:
+    row = store.get(job_id)
+    assert row is not None
+    return row.attained_s
+
+
+def _checkpointed(queue: JobQueue, store: Store, job_id: str) -> bool:
+    row = store.get(job_id)
+    assert row is not None
+    return queue.checkpointed(job_id, row.token)
+
+
+@pytest.mark.timeout(30)
+def test_attained_service_outlives_a_configure_and_a_restarted_queue(tmp_path: Path) -> None:
+    """A job preempted past las' first level keeps its service: a configure (a new policy) and
+    a new queue on the same database (the actor restarted) still rank it behind a newer job,
+    where a policy that kept it in memory put it back in the first level, ahead by FIFO."""
+    path, server, clock = tmp_path / "q.db", FakeJobServer(), [1e6]
+    store = Store(f"sqlite:///{path}")
+    queue = JobQueue(store, server, clock=lambda: clock[0])
+    queue.configure(Identity.here(), "las", thresholds_s=(60.0, 600.0))
+    queue.submit(_cpu_job("long"))
+    assert queue.tick() == ["long"]
+    clock[0] += 20.0  # 80 CPU-s: past 60
+    assert _checkpointed(queue, store, "long") is False
+    queue.submit(_cpu_job("short"))
+    assert queue.tick() == [] and _checkpointed(queue, store, "long") is True
+    server.exit("long", 75)
+    assert queue.tick() == ["short"]
+    clock[0] += 1.0
+    queue.submit(_cpu_job("new"))
+    assert _ranks(queue) == [("new", "Q0 of 3"), ("long", "Q1 of 3")]
+    queue.configure(Identity.here(), aging_s=7200.0)
+    assert _ranks(queue) == [("new", "Q0 of 3"), ("long", "Q1 of 3")]
+    restarted = JobQueue(Store(f"sqlite:///{path}"), server, clock=lambda: clock[0])
+    assert _ranks(restarted) == [("new", "Q0 of 3"), ("long", "Q1 of 3")]
+    assert _attained(store, "long") == 80.0  # in the job's row
+    server.exit("short", 0)
+    assert restarted.tick() == ["new"]
+    server.exit("new", 0)
+    assert restarted.tick() == ["long"]
+    clock[0] += 10.0
+    long = store.get("long")
+    assert long is not None
+    server.exit(long.submission_id, 0)
+    restarted.tick()
+    assert _attained(store, "long") == 80.0 + 40.0  # both attempts, never less
+    # The history: short's 1 s, long's total (new held nothing: the clock stood still).
+    assert store.services() == [4.0, 120.0]
+
+
+@pytest.mark.timeout(30)
+def test_las_levels_adapt_to_the_queues_ended_jobs_and_explicit_ones_win(
+        tmp_path: Path) -> None:
+    """By default las' levels are quantiles of the services of the jobs the queue saw end (its
+    database's); ``--thresholds`` pins them; the title says which."""
+    store, server, clock = Store(f"sqlite:///{tmp_path / 'q.db'}"), FakeJobServer(), [1e6]
+    queue = JobQueue(store, server, clock=lambda: clock[0])
+    queue.configure(Identity.here(), "las")
+    assert queue.describe() == ("policy las; aging 1h; thresholds adaptive: 1h,10h GPU-time "
+                                "until 20 jobs have ended (0 have); min run 10m")
+    for minute in range(1, 21):  # 20 jobs of 1 to 20 CPU-minutes
+        queue.submit(_cpu_job(f"done-{minute}"))
+        assert queue.tick() == [f"done-{minute}"]
+        clock[0] += 15.0 * minute  # 4 CPUs
+        server.exit(f"done-{minute}", 0)
+    queue.tick()
+    assert store.services() == [60.0 * minute for minute in range(1, 21)]
+    restarted = JobQueue(store, server, clock=lambda: clock[0])
+    assert restarted.describe() == ("policy las; aging 1h; thresholds adaptive: 19m,20m "
+                                    "GPU-time; min run 10m")
+    restarted.submit(_cpu_job("long"))
+    assert restarted.tick() == ["long"]
+    clock[0] += 290.0  # 19.3 CPU-minutes: a long job here, not under 1 CPU-hour levels
+    assert [e.rank for e in restarted.listing() if e.job.id == "long"] == ["Q1 of 3"]
+    restarted.configure(Identity.here(), thresholds_s=(3600.0, 36000.0))
+    assert restarted.describe() == "policy las; aging 1h; thresholds 1h,10h GPU-time; min run 10m"
+    assert [e.rank for e in restarted.listing() if e.job.id == "long"] == ["Q0 of 3"]

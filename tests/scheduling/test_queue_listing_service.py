@@ -72,10 +72,10 @@ def test_raydeck_queue_shows_the_service_columns_only_for_an_attained_service_po
     queue.tick()
     now[0] += 1000.0
 
-    def listing(settings: object, server: object, change: ConfigChange
+    def listing(settings: object, server: object, change: ConfigChange, ended: bool = False
                 ) -> tuple[str, list[Entry]]:  # the queue actor's answer, without Ray
         queue.configure(Identity.here(), change.policy)
-        return queue.describe(), queue.listing()
+        return queue.describe(), queue.listing(ended)
 
     monkeypatch.setattr(client, "listing", listing)
     monkeypatch.setenv("COLUMNS", "300")
@@ -99,9 +99,9 @@ def test_raydeck_queue_keeps_each_job_id_whole_on_its_row_and_lists_them_as_json
         queue.submit(_spec(job_id))
     queue.tick()
 
-    def listing(settings: object, server: object, change: ConfigChange
+    def listing(settings: object, server: object, change: ConfigChange, ended: bool = False
                 ) -> tuple[str, list[Entry]]:  # the queue actor's answer, without Ray
-        return queue.describe(), queue.listing()
+        return queue.describe(), queue.listing(ended)
 
     monkeypatch.setattr(client, "listing", listing)
     monkeypatch.setenv("COLUMNS", "80")
@@ -116,3 +116,39 @@ def test_raydeck_queue_keeps_each_job_id_whole_on_its_row_and_lists_them_as_json
     for job in rows:
         (row,) = [line for line in shown.output.splitlines() if f" {job['id']} " in line]
         assert f" {job['state']} " in row and f" {job['why']} " in row, row
+
+
+def test_raydeck_queue_all_keeps_the_record_of_cancelled_and_failed_jobs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issues 51 and 52: a job cancelled while queued, or while it ran, stays on record in
+    ``raydeck queue --all`` (the live listing drops it), and a failed job shows its exit code
+    and its log's last line."""
+    server, now = FakeJobServer(), [1e6]
+    queue = JobQueue(Store(f"sqlite:///{tmp_path / 'q.db'}"), server, clock=lambda: now[0])
+    for job_id in ("ran", "waited", "crashed"):
+        queue.submit(_spec(job_id))
+        now[0] += 1
+    assert queue.tick() == ["ran"]
+    queue.cancel("ran", Identity.here())  # stopped while it ran
+    queue.cancel("waited", Identity.here())  # taken out while queued
+    assert queue.tick() == ["crashed"]
+    server.exit("crashed", 3)
+    queue.tick()
+
+    def listing(settings: object, server: object, change: ConfigChange, ended: bool = False
+                ) -> tuple[str, list[Entry]]:  # the queue actor's answer, without Ray
+        return queue.describe(), queue.listing(ended)
+
+    monkeypatch.setattr(client, "listing", listing)
+    live = CliRunner().invoke(app, ["queue", "--json"])
+    assert live.exit_code == 0 and json.loads(live.output) == [], live.output
+    shown = CliRunner().invoke(app, ["queue", "--all", "--json"])
+    assert shown.exit_code == 0, shown.output
+    rows = {row["id"]: row for row in json.loads(shown.output)}
+    assert {job_id: row["state"] for job_id, row in rows.items()} == {
+        "ran": "cancelled", "waited": "cancelled", "crashed": "failed"}
+    assert rows["crashed"]["exit_code"] == 3
+    assert rows["crashed"]["why"] == "exited with code 3; its log ends: driver exited with 3"
+    table = CliRunner().invoke(app, ["queue", "--all"])
+    assert table.exit_code == 0 and "exited with code 3" in table.output, table.output
+    assert server.jobs["ran"] == "STOPPED"

@@ -57,7 +57,7 @@ def _setup(tmp_path: Path, policy: str) -> tuple[JobQueue, FakeJobServer, list[f
     queue.submit(_spec("B", 0, estimate_s=4 * HOUR))
     assert queue.tick() == ["B"]
     clock[0] = 2 * HOUR
-    assert queue.checkpointed("B") is False  # nothing asked yet
+    assert queue.checkpointed("B", server.tokens["B"]) is False  # nothing asked yet
     queue.submit(_spec("H", 5, estimate_s=600.0))
     assert queue.tick() == []
     assert _row(queue, "B").job.state == "preempting"
@@ -69,7 +69,8 @@ def test_the_high_job_starts_in_the_room_its_victim_frees_and_the_victim_then_re
         tmp_path: Path, policy: str) -> None:
     queue, server, clock = _setup(tmp_path, policy)
     clock[0] += 60
-    assert queue.checkpointed("B") is True  # told at this checkpoint; its driver exits 75
+    # Told at this checkpoint; its driver exits 75.
+    assert queue.checkpointed("B", server.tokens["B"]) is True
     server.exit("B", 75)
     # B is back in the queue ahead of H in every order here (aged, older, or longer waited),
     # yet H takes the room B freed, in the same tick.
@@ -91,7 +92,7 @@ def test_a_victim_waits_while_the_job_it_was_stopped_for_cannot_start_yet(
     queue, server, clock = _setup(tmp_path, "fifo")
     server.jobs["outside"], server.cpus["outside"] = "RUNNING", 1.0  # not the queue's job
     clock[0] += 60
-    assert queue.checkpointed("B") is True
+    assert queue.checkpointed("B", server.tokens["B"]) is True
     server.exit("B", 75)
     assert queue.tick() == []  # 3 CPUs free: H waits, and B (listed) waits for H
     assert _row(queue, "B").why.startswith("waits for H to start (it was preempted for it)")
@@ -104,7 +105,7 @@ def test_a_resumed_victim_is_not_preempted_again_without_a_new_checkpoint_and_a_
         tmp_path: Path, policy: str) -> None:
     queue, server, clock = _setup(tmp_path, policy)
     clock[0] += 60
-    assert queue.checkpointed("B") is True
+    assert queue.checkpointed("B", server.tokens["B"]) is True
     server.exit("B", 75)
     assert queue.tick() == ["H"]
     clock[0] += 600
@@ -116,12 +117,12 @@ def test_a_resumed_victim_is_not_preempted_again_without_a_new_checkpoint_and_a_
     queue.submit(_spec("H2", 5, estimate_s=600.0))
     assert queue.tick() == [] and _row(queue, "B").job.state == "running"
     clock[0] += 120
-    assert queue.checkpointed("B") is False
+    assert queue.checkpointed("B", server.tokens["B"]) is False
     assert queue.tick() == [] and _row(queue, "B").job.state == "running"
     clock[0] = restarted + MIN_RUN_BEFORE_PREEMPTION_S
     assert queue.tick() == [] and _row(queue, "B").job.state == "preempting"
     clock[0] += 60
-    assert queue.checkpointed("B") is True
+    assert queue.checkpointed("B", server.tokens["B"]) is True
     server.exit("B-r1", 75)
     assert queue.tick() == ["H2"]
     assert _row(queue, "B").job.preemptions == 2
@@ -131,7 +132,7 @@ def test_a_told_job_that_exits_0_without_reporting_completion_is_requeued(
         tmp_path: Path) -> None:
     queue, server, clock = _setup(tmp_path, "fifo")
     clock[0] += 60
-    assert queue.checkpointed("B") is True
+    assert queue.checkpointed("B", server.tokens["B"]) is True
     # The driver's confirmation call timed out, so (before the fix) it exited 0.
     server.exit("B", 0)
     assert queue.tick() == ["H"]
@@ -143,8 +144,9 @@ def test_a_told_job_that_reports_completion_or_was_never_told_ends_succeeded(
         tmp_path: Path) -> None:
     queue, server, clock = _setup(tmp_path, "fifo")
     clock[0] += 60
-    assert queue.checkpointed("B") is True
-    queue.completed("B")  # training ran to its end: the checkpoint was its last epoch's
+    assert queue.checkpointed("B", server.tokens["B"]) is True
+    # Training ran to its end: the checkpoint was its last epoch's.
+    queue.completed("B", server.tokens["B"])
     server.exit("B", 0)
     assert queue.tick() == ["H"]
     assert Store(f"sqlite:///{tmp_path / 'q.db'}").get("B").state == "succeeded"  # type: ignore[union-attr]
@@ -154,7 +156,7 @@ def test_a_told_job_that_reports_completion_or_was_never_told_ends_succeeded(
     server.exit("H", 0)
     assert queue.tick() == ["L"]
     clock[0] += 60
-    queue.checkpointed("L")
+    queue.checkpointed("L", server.tokens["L"])
     clock[0] += 60
     queue.submit(_spec("H3", 5))
     assert queue.tick() == [] and _row(queue, "L").job.state == "preempting"

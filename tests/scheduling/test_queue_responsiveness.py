@@ -2,27 +2,24 @@
 real :class:`JobQueue` with a duration history and a job server that block until the test
 lets them go, as MLflow's client (retrying for minutes) and Ray's job client (no HTTP timeout)
 did. While one call waits, ``raydeck queue`` and a job's checkpoint call answer; a job server
-that hangs costs a bounded wait (:class:`TimedLauncher`), and Ray's job client sends each
-request with a timeout.
+that hangs costs a bounded wait (:class:`TimedLauncher`). That every request to the job server
+has a timeout of its own is tests/scheduling/test_queue_job_server.py's.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 
 from raydeck.errors import ConfigError
-from raydeck.jobs.submission import JobServer
 from raydeck.scheduling.policies.core import Resources
 from raydeck.scheduling.queue.identity import Identity
 from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec
-from raydeck.scheduling.queue.launcher import Launcher, TimedLauncher
-from raydeck.scheduling.queue.ray_jobs import REQUEST_TIMEOUT_S, RayJobs
+from raydeck.scheduling.queue.launcher import JobState, Launcher, TimedLauncher
 from raydeck.scheduling.queue.store import JobRow, Store
 
 pytestmark = pytest.mark.timeout(60)
@@ -33,6 +30,7 @@ class _JobServer(Launcher):
 
     def __init__(self) -> None:
         self.jobs: dict[str, str] = {}
+        self.tokens: dict[str, str] = {}  # each job's attempt token, as its runtime env has it
         self.hang: set[str] = set()
         self.hanging = threading.Event()  # a call is blocked now
         self.release = threading.Event()
@@ -45,10 +43,14 @@ class _JobServer(Launcher):
     def submit(self, row: JobRow, package: bytes | None) -> None:
         self._maybe_hang("submit")
         self.jobs[row.submission_id] = "RUNNING"
+        self.tokens[row.id] = row.token
 
-    def status(self, submission_id: str) -> str | None:
+    def statuses(self, submission_ids: Collection[str]) -> dict[str, JobState]:
         self._maybe_hang("status")
-        return self.jobs.get(submission_id)
+        return {s: JobState(self.jobs[s]) for s in submission_ids if s in self.jobs}
+
+    def log_tail(self, submission_id: str) -> str:
+        return ""
 
     def stop(self, submission_id: str) -> None:
         self._maybe_hang("stop")
@@ -87,7 +89,8 @@ def test_a_slow_mlflow_during_submit_blocks_no_other_call(tmp_path: Path) -> Non
     assert predicting.wait(10)
     # Each call answers while the submit is still blocked on MLflow: none waits for it.
     assert [e.job.id for e in queue.listing()] == ["running"] and submitting.is_alive()
-    assert queue.checkpointed("running") is False and submitting.is_alive()
+    assert queue.checkpointed("running", server.tokens["running"]) is False
+    assert submitting.is_alive()
     queue.tick()
     assert submitting.is_alive()
     release.set()
@@ -104,7 +107,7 @@ def test_a_tick_waiting_on_the_job_server_blocks_no_client_call(tmp_path: Path) 
     ticking = _in_background(queue.tick)
     assert server.hanging.wait(10)  # the tick is reading the job's status
     # Each call answers while the tick is still blocked on the job server.
-    assert queue.checkpointed("running") is False and ticking.is_alive()
+    assert queue.checkpointed("running", server.tokens["running"]) is False and ticking.is_alive()
     assert [e.job.state for e in queue.listing()] == ["starting"] and ticking.is_alive()
     assert queue.cancel("running", Identity.here()).state == "cancelled" and ticking.is_alive()
     server.release.set()
@@ -131,32 +134,3 @@ def test_a_job_server_that_hangs_costs_a_bounded_wait(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot stop job running now: LauncherTimeout"):
         queue.cancel("running", Identity.here())
     server.release.set()
-
-
-def test_rays_job_client_sends_every_request_with_a_timeout_to_the_latest_callers_server(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from ray.job_submission import JobSubmissionClient
-
-    sent: list[tuple[str, Any]] = []
-
-    def request(method: str, url: str, **kwargs: Any) -> requests.Response:
-        sent.append((url, kwargs.get("timeout")))
-        response = requests.Response()
-        response.status_code, response._content = 200, b'{"stopped": true}'
-        return response
-
-    def client(server: JobServer) -> JobSubmissionClient:  # connected, as JobServer's is
-        made = object.__new__(JobSubmissionClient)
-        made._address, made._cookies, made._verify = server.address, None, True
-        made._headers = {}
-        return made
-
-    monkeypatch.setattr(requests, "request", request)
-    monkeypatch.setattr(JobServer, "client", client)
-    jobs = RayJobs(JobServer("http://old-head:8265"))
-    jobs.stop("a")
-    jobs.use(JobServer("http://old-head:8265"))  # the same server: the same client
-    jobs.use(JobServer("http://new-head:8265"))  # a caller with a new address (or token)
-    jobs.stop("b")
-    assert sent == [("http://old-head:8265/api/jobs/a/stop", REQUEST_TIMEOUT_S),
-                    ("http://new-head:8265/api/jobs/b/stop", REQUEST_TIMEOUT_S)]

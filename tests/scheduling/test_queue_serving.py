@@ -125,7 +125,7 @@ def test_a_serve_ceiling_is_lowered_before_any_job_is_preempted_and_raised_when_
     queue.submit(_fixed("L", 1))
     assert queue.tick() == ["L"]
     clock[0] = 600.0
-    assert queue.checkpointed("L") is False
+    assert queue.checkpointed("L", server.tokens["L"]) is False
     queue.submit(_fixed("U", 2, priority=5))
     assert queue.tick() == []
     assert serve.limits == [("digits", 1)]
@@ -181,7 +181,7 @@ def test_fixed_counts_and_serve_run_deployments_are_counted_never_bounded(
     assert queue.tick() == ["L"]
     assert server.resources()[0] == (Resources(cpus=NODE_CPUS - 4),)
     clock[0] = 600.0
-    queue.checkpointed("L")
+    queue.checkpointed("L", server.tokens["L"])
     queue.submit(_fixed("U", 1, priority=5))
     assert queue.tick() == []
     assert server.serve.limits == []

@@ -3,6 +3,7 @@ cases worked out by hand. Pure Python: no Ray."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from raydeck.errors import ConfigError
 from raydeck.scheduling import (
     RESTART_OVERHEAD_S,
     Backfill,
+    Capacity,
     Fifo,
     Gittins,
     LeastAttainedService,
@@ -26,16 +28,22 @@ from raydeck.scheduling import (
     read_trace,
     simulate,
 )
-from raydeck.scheduling.policies.attained_service import gittins_index, service_rate
+from raydeck.scheduling.policies.attained_service import (
+    DEFAULT_THRESHOLDS,
+    MIN_HISTORY,
+    adaptive_thresholds,
+    gittins_index,
+    service_rate,
+)
 from raydeck.scheduling.policies.preemption import MIN_RUN_BEFORE_PREEMPTION_S
 
 GPUS4 = Resources(cpus=64, gpus=4)
 
 
 def _queued(job_id: str, submitted: float = 0.0, gpus: float = 1, priority: int = 0,
-            key: str = "") -> QueuedJob:
+            key: str = "", attained: float = 0.0) -> QueuedJob:
     return QueuedJob(job_id, "a", priority, Resources(cpus=1, gpus=gpus), submitted, 50.0,
-                     key=key)
+                     key=key, attained_s=attained)
 
 
 def _pieces(trace: list[TraceJob], policy: Policy, cost: PreemptionCost | None = None
@@ -94,15 +102,77 @@ def test_a_charged_preemption_loses_the_work_since_the_checkpoint_and_a_restart(
 
 def test_las_starvation_bound_counts_from_when_a_job_last_ran() -> None:
     las = LeastAttainedService(aging_s=100, thresholds=(10,))
-    old = _queued("old", submitted=0)
-    las.ended(RunningJob(old, 0.0), 20.0)  # 20 GPU-s: level 1; queued again at 20
+    las.ended(RunningJob(_queued("old", submitted=0), 0.0), 20.0)  # ran 0-20, queued again
+    old = _queued("old", submitted=0, attained=20)  # 20 GPU-s: level 1
     new = _queued("new", submitted=50)
     assert [j.id for j in las.order([old, new], [], 110)] == ["new", "old"]  # not 100 s yet
     assert [j.id for j in las.order([old, new], [], 119)] == ["new", "old"]
     assert [j.id for j in las.order([old, new], [], 120)] == ["old", "new"]  # promoted
-    # Once it finishes, the policy forgets it: the same id resubmitted starts from nothing.
-    las.finished(RunningJob(old, 0.0), 20.0)
-    assert las.attained(old) == 0
+    # Once it finishes (20 GPU-s more), its total joins the history; its wait is forgotten.
+    las.finished(RunningJob(old, 120.0), 140.0)
+    assert las.ended_services == [40.0]
+    assert las.waiting(old, 200.0) == 200.0
+
+
+def test_las_levels_adapt_to_the_ended_jobs_services_unless_pinned() -> None:
+    """Issue 52: by default las' thresholds are the 90th and 99th percentiles of the service
+    ended jobs attained (the cluster's history, then each job it sees finish); Tiresias' fixed
+    ones until ``MIN_HISTORY`` jobs have ended; thresholds set explicitly win."""
+    history = [60.0 * minute for minute in range(1, 101)]  # 1 to 100 GPU-minutes
+    las = LeastAttainedService(services=history)
+    assert las.thresholds == adaptive_thresholds(history) == (91 * 60.0, 100 * 60.0)
+    # 80 GPU-minutes is short on this cluster: the top level (past the fixed 1 GPU-hour).
+    assert [las.describe_rank(_queued("j"), s) for s in (80 * 60, 95 * 60, 6000)] == [
+        "Q0 of 3", "Q1 of 3", "Q2 of 3"]
+    assert LeastAttainedService().level(80 * 60) == 1  # no history: the fixed levels
+    pinned = LeastAttainedService(thresholds=(30.0,), services=history)
+    assert pinned.thresholds == (30.0,) and pinned.level(60) == 1
+    # Too few ended jobs say little: the fixed levels, until MIN_HISTORY have ended here.
+    learning = LeastAttainedService(services=history[:MIN_HISTORY - 1])
+    assert learning.thresholds == DEFAULT_THRESHOLDS
+    learning.finished(RunningJob(_queued("last", gpus=2), 0.0), 30.0)  # 60 GPU-s
+    assert learning.ended_services[:2] == [60.0, 60.0]  # 1 to 19 GPU-minutes, and this one
+    assert learning.thresholds == (18 * 60.0, 19 * 60.0)
+    # Repeated or zero quantiles collapse to the levels left.
+    assert adaptive_thresholds([0.0] * 10 + [50.0] * 90) == (50.0,)
+    assert adaptive_thresholds([0.0] * MIN_HISTORY) == DEFAULT_THRESHOLDS
+    with pytest.raises(ConfigError, match="must be a number >= 0"):
+        LeastAttainedService(services=[-1.0])
+
+
+def test_a_job_that_does_not_fit_lets_smaller_ones_pass_until_it_has_aged() -> None:
+    """Work-conserving, as Tiresias places jobs: B (4 GPUs) cannot start beside A, so C (1 GPU)
+    starts in the room left; once B has waited the aging bound (5 s, at 6) its room is kept,
+    so D (at 7) waits for it. A bound of 1,000 s lets D pass too. FIFO blocks C behind B."""
+    trace = [TraceJob("A", 0, 10, Resources(cpus=1, gpus=2), "a"),
+             TraceJob("B", 1, 5, Resources(cpus=1, gpus=4), "a"),
+             TraceJob("C", 2, 3, Resources(cpus=1, gpus=1), "a"),
+             TraceJob("D", 7, 3, Resources(cpus=1, gpus=1), "a")]
+
+    def starts(policy: Policy) -> dict[str, float]:
+        return {s.job.id: s.start_s for s in simulate(trace, policy, GPUS4)}
+
+    for kind in (LeastAttainedService, Gittins):
+        assert starts(kind(aging_s=5)) == {"A": 0, "C": 2, "B": 10, "D": 15}
+        assert starts(kind(aging_s=1000)) == {"A": 0, "C": 2, "D": 7, "B": 10}
+    assert starts(Fifo(aging_s=5)) == {"A": 0, "B": 10, "C": 15, "D": 15}
+
+
+def test_a_replay_gives_a_preempted_job_its_attained_service_back_in_the_queue() -> None:
+    """The policy keeps no service of its own: A's 30 s on 4 GPUs are in the job the replay
+    queues again (the queue's store does the same), and only B's wait has none."""
+    seen: dict[str, set[float]] = {}
+
+    class Watched(LeastAttainedService):
+        def decide(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
+                   free: Capacity, total: Resources, now: float) -> list[QueuedJob]:
+            for job in queue:
+                seen.setdefault(job.id, set()).add(job.attained_s)
+            return super().decide(queue, running, free, total, now)
+
+    pieces = _pieces(_trace(5), Watched(thresholds=(20,)))
+    assert pieces == {"A": ((0, 30), (40, 110)), "B": ((30, 40),)}
+    assert seen == {"A": {0.0, 120.0}, "B": {0.0}}
 
 
 def test_priority_beats_attained_service_when_preempting() -> None:
@@ -135,19 +205,17 @@ def test_gittins_index_of_a_known_distribution() -> None:
 def test_gittins_orders_by_index_over_the_jobs_own_history_or_the_clusters() -> None:
     gittins = Gittins(services=[10.0, 10.0, 10.0, 100.0],
                       history={"slow": [200.0, 200.0]})
-    half = _queued("half", submitted=0)
-    gittins.ended(RunningJob(half, 0.0), 5.0)  # 5 GPU-s
-    long = _queued("long", submitted=1)
-    gittins.ended(RunningJob(long, 1.0), 21.0)  # 20 GPU-s
+    half = _queued("half", submitted=0, attained=5)
+    long = _queued("long", submitted=1, attained=20)
     new, slow = _queued("new", submitted=30), _queued("slow", submitted=2, key="slow")
     # half 0.15 > new 0.075 > long 1/80 > slow (its own history: 1/200).
     assert [j.id for j in gittins.order([slow, long, new, half], [], 40)] == [
         "half", "new", "long", "slow"]
     # A 2-GPU run of the same key is drawn from 400 GPU-s.
     assert gittins.distribution(_queued("x", gpus=2, key="slow")) == [400.0, 400.0]
-    # A job that finishes joins the cluster's distribution.
-    gittins.finished(RunningJob(half, 0.0), 5.0)
-    assert gittins.distribution(new) == [5.0, 10.0, 10.0, 10.0, 100.0]
+    # A job that finishes joins the cluster's distribution: half, 5 + 2 GPU-s.
+    gittins.finished(RunningJob(half, 40.0), 42.0)
+    assert gittins.distribution(new) == [7.0, 10.0, 10.0, 10.0, 100.0]
     with pytest.raises(ConfigError, match="must be a number >= 0"):
         Gittins(services=[-1.0])
 

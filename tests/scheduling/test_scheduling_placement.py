@@ -8,6 +8,7 @@ gangs is checked on a real two-node fake-GPU cluster in ``test_scaling_gpu_packi
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from raydeck.scheduling.policies.core import Capacity, Fifo, Gang, QueuedJob, Re
 from raydeck.scheduling.policies.registry import make_policy
 from raydeck.scheduling.queue.identity import Identity
 from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec, Launcher
+from raydeck.scheduling.queue.launcher import JobState
 from raydeck.scheduling.queue.reconcile import CLAIM_S
 from raydeck.scheduling.queue.store import JobRow, Store
 from raydeck.train.feasibility import place
@@ -132,8 +134,11 @@ class _TwoNodes(Launcher):
     def submit(self, row: JobRow, package: bytes | None) -> None:
         self.running.append(row.id)
 
-    def status(self, submission_id: str) -> str | None:
-        return "RUNNING" if submission_id in self.running else None  # as Ray's: None unknown
+    def statuses(self, submission_ids: Collection[str]) -> dict[str, JobState]:
+        return {s: JobState("RUNNING") for s in submission_ids if s in self.running}
+
+    def log_tail(self, submission_id: str) -> str:
+        return ""
 
     def stop(self, submission_id: str) -> None:
         raise AssertionError("nothing is stopped here")

@@ -20,6 +20,7 @@ memory, each notebook's execution time.
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import re
@@ -224,6 +225,46 @@ def test_submit_registers_its_model_and_a_sweep_runs_with_nothing_else_set(
     assert f"{prefix}/model/MLmodel" in _objects(under_test, bucket, prefix)
     bucket, _, prefix = checkpoint.removeprefix("s3://").partition("/")
     assert bucket == "checkpoints" and _objects(under_test, bucket, prefix + "/")
+
+
+def test_queued_jobs_cancelled_waiting_or_running_stay_on_record(stack: dict[str, Any]
+                                                                  ) -> None:
+    """docs/scheduling.md's journey on the stack: queue two jobs that each need all 4 CPUs,
+    cancel the one waiting and the one running. Both stay on record, in ``raydeck queue
+    --all`` and ``raydeck jobs`` (the waiting one vanished from both), and the running one is
+    stopped on the job server."""
+    under_test: StackUnderTest = stack["stack"]
+    ids = []
+    for run_id in ("stack-queued-runs", "stack-queued-waits"):
+        queued = under_test.cli("submit", "jobs/digits_torch.py", "--queue", "--preset",
+                                "cpu-4", "--run-id", run_id, "--", "--epochs", "500", cwd=ROOT)
+        assert queued.returncode == 0, queued.stdout[-3000:] + queued.stderr[-3000:]
+        ids.append(f"raydeck-{run_id}")  # the job's id: its submission id on the job server
+        assert f"queued {ids[-1]} " in queued.stdout, queued.stdout
+
+    def states() -> dict[str, str]:
+        shown = under_test.cli("queue", "--all", "--json")
+        assert shown.returncode == 0, shown.stderr[-3000:]
+        return {row["id"]: row["state"] for row in json.loads(shown.stdout)
+                if row["id"] in ids}
+
+    wait_until(lambda: states() == {ids[0]: "running", ids[1]: "queued"}, 120,
+               "the first queued job to start and the second to wait")
+    for job_id in reversed(ids):
+        cancelled = under_test.cli("cancel", job_id)
+        assert cancelled.returncode == 0, cancelled.stderr[-3000:]
+    assert states() == {job_id: "cancelled" for job_id in ids}
+
+    def jobs() -> dict[str, dict[str, Any]]:
+        listed = under_test.cli("jobs", "--json")
+        assert listed.returncode == 0, listed.stderr[-3000:]
+        return {row["id"]: row for row in json.loads(listed.stdout) if row["id"] in ids}
+
+    # Ray marks a job STOPPED once its driver is gone (it was stopped when cancel returned).
+    wait_until(lambda: jobs().get(ids[0], {}).get("status") == "STOPPED", 60,
+               "the cancelled running job to show STOPPED")
+    waited = jobs()[ids[1]]
+    assert (waited["type"], waited["status"]) == ("QUEUED", "CANCELLED"), waited
 
 
 def test_the_registered_model_is_promoted_served_answers_and_stops(stack: dict[str, Any]

@@ -197,6 +197,67 @@ def test_the_steps_a_run_holds_are_answered_without_waiting_for_its_console_text
     assert pending == ["13 bytes of console log"], shard.stats()["runs"]
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("late_first", [True, False],
+                         ids=["late-batch-lands-first", "resumed-attempt-lands-first"])
+def test_a_resumed_attempt_and_a_late_batch_of_the_dead_one_keep_one_value_per_step(
+    shard: ShardCore, mlflow_client: Any, late_first: bool
+) -> None:
+    """The dead attempt's last batch reaches the shard only after the resumed attempt was told
+    which steps the run holds, so both log steps 10-14: whichever batch comes first keeps them,
+    the other's values there are dropped. A step the resumed attempt logs twice itself, and
+    keys it did not name, keep every value, as in MLflow."""
+    key = f"fence-{uuid.uuid4().hex[:8]}"
+    _open(shard, key)
+
+    def batch(client: str, seq: int, steps: range, offset: float, *extra: Any) -> Batch:
+        points = [("loss", step + offset, 1_000 + step, step) for step in steps]
+        return Batch(client_id=client, seq=seq, run_key=key, params_run_key=key,
+                     points=points + list(extra))
+
+    shard.ingest(batch("dead", 0, range(10), 0.0, ("system/cpu", 1.0, 1_000, 0)))
+    assert shard.last_steps(key, ["loss"], 60, resumed_by="resumed") == {"loss": 9}
+    late = batch("dead", 1, range(10, 15), 0.0)
+    if late_first:
+        shard.ingest(late)
+    shard.ingest(batch("resumed", 0, range(10, 20), 0.5, ("loss", 99.0, 5_000, 19),
+                       ("system/cpu", 2.0, 2_000, 0)))
+    if not late_first:
+        shard.ingest(late)
+    assert shard.wait_landed([key], 60).landed
+    run_id = shard.resolve(key, 1).run_id
+
+    def history(name: str) -> list[tuple[int, float]]:
+        return sorted((m.step, m.value) for m in mlflow_client.get_metric_history(run_id, name))
+
+    dead_steps = range(10, 15) if late_first else range(0)
+    assert history("loss") == sorted(
+        [(step, float(step)) for step in range(10)]
+        + [(step, float(step) if step in dead_steps else step + 0.5) for step in range(10, 20)]
+        + [(19, 99.0)])
+    assert history("system/cpu") == [(0, 1.0), (0, 2.0)]
+    assert shard.stats()["repeats_dropped"] == 5
+
+
+def test_a_fence_takes_in_what_arrives_while_the_answer_is_read() -> None:
+    """Between the moment a resumed attempt's question opens the fences and its answer, a late
+    batch of the dead attempt counts in the answer; and only so many runs keep fences."""
+    from raydeck.tracking.proxy.step_fences import StepFences
+
+    fences = StepFences(max_runs=2)
+    fences.open("run", ["loss"])
+    assert fences.admit("run", "dead", [("loss", 1.0, 1, step) for step in range(10, 15)]) is None
+    held = {"loss": 9}
+    fences.close("run", held)
+    assert held == {"loss": 14}
+    kept = fences.admit("run", "resumed", [("loss", 2.0, 2, step) for step in range(10, 20)])
+    assert [point[3] for point in kept or []] == list(range(15, 20))
+    assert fences.dropped == 5
+    fences.open("second", ["loss"])
+    fences.open("third", ["loss"])
+    assert "run" not in fences and "third" in fences
+
+
 def test_dead_letters_survive_a_restart_and_show_in_stats(tmp_path: Path,
                                                          mlflow_server: MlflowServer) -> None:
     config = _config(mlflow_server.uri, tmp_path / "spool", writers=1, index=1)

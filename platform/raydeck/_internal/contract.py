@@ -18,6 +18,11 @@ KV_NAMESPACE = "raydeck"
 QUEUE_ACTOR_NAME = "raydeck-queue"
 # The queue's id of a job it started, in that job's runtime env.
 QUEUE_JOB_ENV = "RAYDECK_QUEUE_JOB"
+# The current attempt's token, which the job sends with each call to the queue (its checkpoints,
+# its stop, its completion), so only that attempt reports them. Issued by the queue per attempt;
+# not a secret from whoever can read the job's runtime env (anyone with Ray access). Secret-named
+# on purpose: redaction hides it and a job never forwards it to a job it submits.
+QUEUE_TOKEN_ENV = "RAYDECK_QUEUE_TOKEN"
 # An elastic job's allowed size: the queue restarts it at another through this same signal.
 QUEUE_WORKERS_ENV = "RAYDECK_QUEUE_WORKERS"
 # A preempted job's exit status (EX_TEMPFAIL: try again later), so it is not mistaken for done.

@@ -265,7 +265,7 @@ def jobs(
                                  "notebook), as `ray job list` does; raydeck's own commands "
                                  "are never listed."),
     json_output: bool = typer.Option(False, "--json", help="Print the jobs as a JSON array "
-                                     "(the queue's jobs that failed to start with type "
+                                     "(the queue's jobs that never started with type "
                                      "QUEUED)."),
 ) -> None:
     """List recent jobs of the cluster: status, duration and MLflow run.
@@ -278,7 +278,7 @@ def jobs(
     from raydeck._internal.redaction import redact_text, redact_url
     from raydeck.config.settings import load_settings
     from raydeck.jobs.submission import JobServer, find_run, list_jobs
-    from raydeck.scheduling.queue.client import refused
+    from raydeck.scheduling.queue.client import never_started
 
     settings = load_settings()
     _quiet_logs(settings.log_level)
@@ -288,7 +288,7 @@ def jobs(
                                   view.run_id) for view in views if view.run_id}
     if json_output:
         print_json_rows([*(_job_row(view, runs.get(view.run_id)) for view in views),
-                         *(_never_started_row(job) for job in refused(settings))])
+                         *(_never_started_row(job) for job in never_started(settings))])
         return
     table = Table(title=f"jobs on {redact_url(server.address)}")
     first = ("id", "type") if drivers else ("submission id",)
@@ -298,25 +298,28 @@ def jobs(
         run = runs.get(view.run_id)
         link = "-" if run is None else (run.url or run.mlflow_run_id or f"run id {run.run_id}")
         # Entrypoints are whatever anyone submitted: a command line may hold a credential.
-        table.add_row(escape(view.id), *((view.type,) if drivers else ()), view.status,
+        failed = view.status == "FAILED" and view.exit_code is not None
+        status = f"{view.status} (exit {view.exit_code})" if failed else view.status
+        table.add_row(escape(view.id), *((view.type,) if drivers else ()), status,
                       _clock(view.started_s), format_duration(view.duration_s),
                       escape(redact_text(view.entrypoint)), escape(link))
     if not views:
         err_console.print("no jobs yet")
     print_table(table)
-    never_started = refused(settings)  # the queue's answer may take seconds: after the table
-    if never_started:
-        failed = Table(title="queued jobs that failed to start (`raydeck cancel` clears them)")
-        add_columns(failed, "job", "status", "submitted", "entrypoint", "reason", whole=("job",))
-        for job in never_started:
-            failed.add_row(escape(job.id), "FAILED", _clock(job.submitted_at),
-                           escape(redact_text(job.entrypoint)), escape(job.reason))
-        print_table(failed)
+    queued = never_started(settings)  # the queue's answer may take seconds: after the table
+    if queued:
+        table = Table(title="queued jobs that never started (refused by the job server, or "
+                            "cancelled while queued; `raydeck queue --all`)")
+        add_columns(table, "job", "status", "submitted", "entrypoint", "reason", whole=("job",))
+        for job in queued:
+            table.add_row(escape(job.id), job.state.upper(), _clock(job.submitted_at),
+                          escape(redact_text(job.entrypoint)), escape(job.reason))
+        print_table(table)
 
 
 def _clock(at_s: float | None) -> str:
     return (datetime.datetime.fromtimestamp(at_s).strftime("%Y-%m-%d %H:%M:%S")
-            if at_s else "-")
+            if at_s is not None else "-")
 
 
 def _job_row(view: JobView, run: RunLink | None) -> dict[str, Any]:
@@ -328,14 +331,14 @@ def _job_row(view: JobView, run: RunLink | None) -> dict[str, Any]:
             "duration_s": view.duration_s, "entrypoint": redact_text(view.entrypoint),
             "message": redact_text(view.message), "run_id": view.run_id,
             "mlflow_run_id": run.mlflow_run_id if run else "",
-            "mlflow_run_url": run.url if run else ""}
+            "mlflow_run_url": run.url if run else "", "exit_code": view.exit_code}
 
 
 def _never_started_row(job: QueuedJobView) -> dict[str, Any]:
-    """A queued job the job server refused, as ``raydeck jobs --json`` lists it."""
+    """A queued job that never started, as ``raydeck jobs --json`` lists it."""
     from raydeck._internal.redaction import redact_text
 
     return {"id": job.id, "type": "QUEUED", "submission_id": job.submission_id, "job_id": "",
-            "status": "FAILED", "started_s": None, "duration_s": None,
+            "status": job.state.upper(), "started_s": None, "duration_s": None,
             "entrypoint": redact_text(job.entrypoint), "message": redact_text(job.reason),
-            "run_id": "", "mlflow_run_id": "", "mlflow_run_url": ""}
+            "run_id": "", "mlflow_run_id": "", "mlflow_run_url": "", "exit_code": None}

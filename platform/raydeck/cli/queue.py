@@ -69,17 +69,22 @@ def queue(
     aging: str = typer.Option(None, help="Aging bound, e.g. 1h: a job waiting this long goes "
                                          "first (the starvation bound)."),
     thresholds: str = typer.Option(None, help="las' levels: attained GPU-time (CPU-time for a "
-                                              "job without GPUs), e.g. 1h,10h (the default): "
-                                              "a job passes to level 1 after 1 GPU-hour."),
+                                              "job without GPUs), e.g. 1h,10h: a job passes to "
+                                              "level 1 after 1 GPU-hour; auto (the default): "
+                                              "the 90th and 99th percentiles of the service the "
+                                              "jobs that ended attained."),
     min_run: str = typer.Option(None, "--min-run",
                                 help="How long a job resumed after a preemption runs before "
                                      "it may be preempted again, e.g. 10m (the default)."),
     teams: Path = typer.Option(None, help="YAML of teams: NAME: {weight: 2, gpus: 4, cpus: 32, "
-                                          "members: [USER], max_priority: 5}, and admins: "
-                                          "[USER] (only they may change it)."),
+                                          "members: [USER], max_priority: 5}. Only the admins "
+                                          "may change it: queue-admins in the head's data dir."),
     address: str = typer.Option(None, help="Job server URL (as for `raydeck submit`)."),
     json_output: bool = typer.Option(False, "--json", help="Print the queue's jobs as a JSON "
                                      "array (after any change the options make)."),
+    show_all: bool = typer.Option(False, "--all", help="Also the jobs that ended in the last "
+                                  "7 days: cancelled (queued or running), succeeded, failed "
+                                  "(with the exit code and the end of the log), stopped."),
 ) -> None:
     """Show the queue: position, predicted start, why each job waits and an elastic job's size
     (`workers 1 of 1-4`); change its settings (kept by the queue until changed again)."""
@@ -102,7 +107,7 @@ def queue(
         policy, _seconds("--aging", aging), team_specs,
         parse_thresholds(thresholds) if thresholds is not None else None,
         _seconds("--min-run", min_run))
-    described, entries = listing(settings, server, change)
+    described, entries = listing(settings, server, change, ended=show_all)
     if json_output:
         print_json_rows([_entry_row(entry) for entry in entries])
         return
@@ -118,7 +123,8 @@ def queue(
         needs = f"{job.gpus:g} GPU, {job.cpus:g} CPU" if job.gpus else f"{job.cpus:g} CPU"
         if job.size:  # an elastic job: the size the queue allows it, of its range
             needs += f"; {job.size}"
-        waited = f"{((job.started_at or now) - job.submitted_at) / 60:.1f}m"
+        waited_until = now if job.started_at is None else job.started_at
+        waited = f"{(waited_until - job.submitted_at) / 60:.1f}m"
         table.add_row(str(entry.position or "-"), escape(job.id), job.team,
                       escape(f"{job.user}@{job.host}" if job.user else "-"), str(job.priority),
                       needs, job.state, waited, format_duration(job.estimate_s),

@@ -19,6 +19,10 @@ Creating a run and everything else (reads, experiments, ``delete_tag``, logged m
 goes to the backend store MLflow itself builds for the backend URI, synchronously, as plain
 MLflow would. Run identity (which run ``start_run`` binds to on a cluster) lives in
 :mod:`raydeck.integrations.mlflow_runs`; ``docs/mlflow-plugin.md`` states the semantics.
+
+With a raydeck URI as the process's tracking URI and no registry URI set, the plugin sets the
+registry URI (:func:`default_registry_uri`): MLflow's fluent API otherwise looks for one on every
+call, and that look costs more than the plugin's whole write.
 """
 
 from __future__ import annotations
@@ -81,6 +85,30 @@ def registry_store(store_uri: str) -> Any:
     return build(store_uri=backend_uri)
 
 
+def default_registry_uri(store_uri: str) -> None:
+    """Make ``store_uri`` MLflow's registry URI (``mlflow.set_registry_uri``) when it is the
+    process's tracking URI and no registry URI is set: a user's own setting wins
+    (``mlflow.set_registry_uri``, ``MLFLOW_REGISTRY_URI``, a Spark session's
+    ``spark.mlflow.modelRegistryUri``).
+
+    Why: without a registry URI, MLflow's fluent API resolves one for the ``MlflowClient`` it
+    builds on every call (``mlflow.log_metric``), and that probes for a Spark session (a failed
+    ``import pyspark`` each time where PySpark is absent): 200-400 us, several times the
+    plugin's own write. The URI set is the one MLflow would fall back to anyway, the tracking
+    URI, whose registry (the ``mlflow.model_registry_store`` entry point, :func:`registry_store`)
+    is the backend's: registry calls go where they went before, and a process that inherits
+    ``MLFLOW_REGISTRY_URI`` (as ``mlflow.set_registry_uri`` makes it) resolves the backend as
+    it resolves its tracking URI. A client with an explicit ``tracking_uri`` and another
+    tracking URI for the process sets nothing: the fluent API does not use that store.
+    """
+    if not tracking_utils.is_tracking_uri_set() or tracking_utils.get_tracking_uri() != store_uri:
+        return
+    if registry_utils._get_registry_uri_from_context():
+        return
+    registry_utils.set_registry_uri(store_uri)  # what mlflow.set_registry_uri is
+    logger.debug("MLflow's registry URI defaults to %s (the tracking URI)", store_uri)
+
+
 class RaydeckStore(AbstractStore):
     """MLflow's ``AbstractStore`` whose run writes go through raydeck's tracking proxy and
     whose reads go to the backend store (see the module docstring).
@@ -99,12 +127,16 @@ class RaydeckStore(AbstractStore):
         build = tracking_utils._tracking_store_registry.get_store_builder(backend_uri)
         self.backend: AbstractStore = build(store_uri=backend_uri, artifact_uri=artifact_uri)
         self._runs = PluginRuns(self._settings, self.backend)
+        self._store_uri = store_uri
+        default_registry_uri(store_uri)
 
     # --- runs ---------------------------------------------------------------------------------
     def create_run(self, experiment_id: str, user_id: str | None, start_time: int | None,
                    tags: list[RunTag], run_name: str | None) -> Any:
         """``mlflow.start_run()``'s run: the context's run on a cluster, else a new one
-        (:class:`~raydeck.integrations.mlflow_runs.PluginRuns`)."""
+        (:class:`~raydeck.integrations.mlflow_runs.PluginRuns`). Also the registry default
+        (:func:`default_registry_uri`), for a tracking URI set after MLflow built this store."""
+        default_registry_uri(self._store_uri)
         return self._runs.create(experiment_id, user_id, start_time, tags or [], run_name)
 
     def update_run_info(self, run_id: str, run_status: int | None, end_time: int | None,
@@ -200,7 +232,7 @@ class RaydeckStore(AbstractStore):
 
     def __getattr__(self, name: str) -> Any:
         """Backend-specific methods beyond ``AbstractStore`` (e.g. the SQL store's)."""
-        if name.startswith("__") or name in ("backend", "_settings", "_runs"):
+        if name.startswith("__") or name in ("backend", "_settings", "_runs", "_store_uri"):
             raise AttributeError(name)
         return getattr(self.backend, name)
 

@@ -3,6 +3,8 @@ contract (run id, preset, run name) on top.
 
 - :mod:`~raydeck.jobs.submission`: :class:`JobRequest`, :class:`JobServer` (a token-authenticated
   ``JobSubmissionClient``), submitting, waiting, logs, listing, and the MLflow run a job wrote.
+- :mod:`~raydeck.jobs.job_client`: Ray's job client with a timeout on every request and only
+  the headers raydeck chose.
 - :mod:`~raydeck.jobs.address`: which job server a command talks to (``--address``,
   ``RAY_API_SERVER_ADDRESS``, ``RAY_ADDRESS``, the running stack, the GCS's record).
 - :mod:`~raydeck.jobs.probe`: a short job that asks the cluster, before the real one, whether

@@ -52,6 +52,7 @@ from raydeck.config.stack_connection import token_for
 from raydeck.config.tracking_uri import run_url
 from raydeck.errors import ClusterUnavailableError, ConfigError, JobSubmissionError
 from raydeck.jobs.address import API_SERVER_ADDRESS_ENV, find_job_server, is_local_address
+from raydeck.jobs.job_client import bounded_job_client
 
 if TYPE_CHECKING:
     from ray.job_submission import JobSubmissionClient
@@ -62,6 +63,10 @@ logger = logging.getLogger(__name__)
 AUTH_MODE_ENV = "RAY_AUTH_MODE"
 AUTH_TOKEN_ENV = "RAY_AUTH_TOKEN"
 AUTH_TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+# A Kubernetes token's file (a pod's projected ServiceAccount token, or `kubectl create token`'s
+# output), for a RayCluster with Kubernetes token auth: read again for every request, since the
+# kubelet rotates such tokens and they expire.
+K8S_TOKEN_FILE_ENV = "RAYDECK_K8S_TOKEN_FILE"
 DEFAULT_TOKEN_PATH = Path(".ray/auth_token")  # in the home directory
 RUN_ID_ENV = "RAYDECK_RUN_ID"
 # The job contract (``raydeck submit --help``): a job is ``python JOB ARGS...`` with ARGS exactly
@@ -78,6 +83,9 @@ STATUS_POLL_INTERVAL_S = 1.0
 # registers (seconds); submissions retry that long.
 AGENT_WAIT_S = 120.0
 TERMINAL_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
+# Each request a command sends to the job server (connect, and each wait for an answer): a
+# package upload is answered once the head has stored it, seconds for Ray's largest.
+CLIENT_TIMEOUT_S = 60.0
 
 _AUTH_HINT = (
     "the job server requires a token: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH (or "
@@ -105,8 +113,9 @@ def auth_token(env: Mapping[str, str] | None = None, job_server: str | None = No
     """The token to send to ``job_server`` (default: :func:`job_server_address` of ``env``),
     read from ``env`` (default ``os.environ``).
 
-    The rule: ``RAY_AUTH_MODE=disabled`` sends none. A token named explicitly
-    (``RAY_AUTH_TOKEN``, else the file in ``RAY_AUTH_TOKEN_PATH``) is the user's choice and goes
+    The rule: ``RAY_AUTH_MODE=disabled`` sends none. A token named explicitly (the Kubernetes
+    token in ``RAYDECK_K8S_TOKEN_FILE``, else ``RAY_AUTH_TOKEN``, else the file in
+    ``RAY_AUTH_TOKEN_PATH``) is the user's choice and goes
     to whatever job server is given. The token file found implicitly, ``~/.ray/auth_token``, is
     the one ``ray start --head`` wrote for the head on this machine, so it goes only to a job
     server on this machine (:func:`is_local_address`); to send it elsewhere, name it with
@@ -116,13 +125,15 @@ def auth_token(env: Mapping[str, str] | None = None, job_server: str | None = No
     Raises:
         ConfigError: ``RAY_AUTH_MODE=token`` but no token may be sent (none found, or only
             ``~/.ray/auth_token`` for a remote address), or the token file named by
-            ``RAY_AUTH_TOKEN_PATH`` cannot be read.
+            ``RAYDECK_K8S_TOKEN_FILE`` or ``RAY_AUTH_TOKEN_PATH`` cannot be read.
     """
     env = os.environ if env is None else env
     address = job_server or job_server_address(None, env)
     mode = env.get(AUTH_MODE_ENV, "").strip().lower()
     if mode == "disabled":
         return None
+    if env.get(K8S_TOKEN_FILE_ENV):
+        return _k8s_token(Path(env[K8S_TOKEN_FILE_ENV]).expanduser())
     if env.get(AUTH_TOKEN_ENV, "").strip():
         return Secret(env[AUTH_TOKEN_ENV].strip())
     if env.get(AUTH_TOKEN_PATH_ENV):
@@ -155,6 +166,14 @@ def _default_token_path(env: Mapping[str, str]) -> Path:
     return Path(env.get("HOME") or Path.home()) / DEFAULT_TOKEN_PATH
 
 
+def _k8s_token(path: Path) -> Secret:
+    try:
+        return Secret(path.read_text().strip())
+    except OSError as exc:
+        raise ConfigError(f"{K8S_TOKEN_FILE_ENV}={str(path)!r}: cannot read the Kubernetes "
+                          f"token ({exc.strerror})") from None
+
+
 def _withheld_message(address: str, path: Path) -> str:
     return (f"{path} holds the token of the Ray head on this machine and is not sent to "
             f"{redact_url(address)}; set {AUTH_TOKEN_PATH_ENV} (or {AUTH_TOKEN_ENV}) to that "
@@ -169,6 +188,8 @@ class JobServer:
     token: Secret | None = None
     # Why no token is sent although one exists here (see auth_token); shown on a refusal.
     withheld: str = ""
+    # RAYDECK_K8S_TOKEN_FILE's file, read again for every request's headers (it rotates).
+    token_file: Path | None = None
 
     @classmethod
     def from_env(cls, address: str | None = None, env: Mapping[str, str] | None = None
@@ -180,20 +201,31 @@ class JobServer:
         withheld = (_withheld_message(resolved, default)
                     if token is None and env.get(AUTH_MODE_ENV, "").lower() != "disabled"
                     and default.is_file() else "")
-        return cls(resolved, token, withheld)
+        token_file = (Path(env[K8S_TOKEN_FILE_ENV]).expanduser()
+                      if token is not None and env.get(K8S_TOKEN_FILE_ENV) else None)
+        return cls(resolved, token, withheld, token_file)
 
     def headers(self) -> dict[str, str]:
-        """The HTTP headers every request to this server (jobs, state API) carries."""
-        return {"Authorization": f"Bearer {self.token.reveal()}"} if self.token else {}
+        """The HTTP headers every request to this server (jobs, state API) carries; a
+        Kubernetes token file is read again each time."""
+        token = _k8s_token(self.token_file) if self.token_file else self.token
+        return {"Authorization": f"Bearer {token.reveal()}"} if token else {}
 
-    def client(self) -> JobSubmissionClient:
-        """A connected ``JobSubmissionClient`` that has shown the token is accepted.
+    def client(self, timeout_s: float = CLIENT_TIMEOUT_S) -> JobSubmissionClient:
+        """A connected ``JobSubmissionClient`` that has shown the token is accepted, and sends
+        every request with ``timeout_s`` (connect, and each wait for an answer).
+
+        Ray's own client would wait forever on a dashboard that accepts connections and never
+        answers, and would add its process's token to a request that carries none; this one
+        (:func:`raydeck.jobs.job_client.bounded_job_client`) sends exactly :meth:`headers`, so
+        a token goes only where :meth:`from_env` (or the queue, for its own head) chose.
 
         Raises:
-            ClusterUnavailableError: nothing answers at the address, or it refuses the token.
+            ClusterUnavailableError: nothing answers at the address, an answer did not come
+                within ``timeout_s``, or the server refuses the token.
         """
+        import requests
         from ray.exceptions import AuthenticationError
-        from ray.job_submission import JobSubmissionClient
 
         reason = unreachable_reason(self.address)
         if reason:
@@ -203,7 +235,7 @@ class JobServer:
                 f"{API_SERVER_ADDRESS_ENV} to its http:// URL"
             )
         try:
-            client = JobSubmissionClient(self.address, headers=self.headers())
+            client = bounded_job_client(self.address, self.headers, timeout_s)
             client.list_jobs()
         except AuthenticationError:
             raise ClusterUnavailableError(
@@ -211,7 +243,13 @@ class JobServer:
                 + ("it rejected the token that was sent; check RAY_AUTH_TOKEN / "
                    "RAY_AUTH_TOKEN_PATH" if self.token else self.withheld or _AUTH_HINT)
             ) from None
-        except (ConnectionError, RuntimeError) as exc:
+        except requests.Timeout:
+            raise ClusterUnavailableError(
+                f"the Ray job server at {redact_url(self.address)} accepted the connection but "
+                f"did not answer within {timeout_s:g} s; is the dashboard (or a port-forward "
+                "to it) stuck?"
+            ) from None
+        except (ConnectionError, RuntimeError, requests.RequestException) as exc:
             raise ClusterUnavailableError(
                 f"the Ray job server at {self.address} did not answer as one "
                 f"({str(exc).splitlines()[0][:200]}); is it the dashboard port (8265)?"
@@ -386,6 +424,7 @@ class JobView:
     message: str
     job_id: str = ""
     type: str = SUBMISSION
+    exit_code: int | None = None  # the driver's, once it exited
 
     @property
     def id(self) -> str:
@@ -417,6 +456,7 @@ def list_jobs(client: JobSubmissionClient, limit: int = 20, drivers: bool = Fals
             entrypoint=job.entrypoint, started_s=started, duration_s=duration,
             run_id=metadata.get(METADATA_RUN_ID, ""), message=job.message or "",
             job_id=str(job.job_id or ""), type=kind,
+            exit_code=getattr(job, "driver_exit_code", None),
         ))
     views.sort(key=lambda view: view.started_s or 0.0, reverse=True)
     return views[:limit]

@@ -3,7 +3,9 @@
 Owns: turning a training function, a scaling choice and a tracker into a ``TorchTrainer`` whose
 workers log to the tracker's run, whose checkpoints go to raydeck's storage, and which restarts
 from the latest checkpoint when a worker dies; in a job the queue started, an elastic scaling
-choice kept within the workers the queue allows it (:func:`within_queue`). Does not own: what
+choice kept within the workers the queue allows it (:func:`within_queue`); Ray Train's node-drain
+watcher kept off, since its creation logs a Ray Core ERROR in every job
+(:func:`without_preemption_watcher`). Does not own: what
 a checkpoint holds (:mod:`raydeck.train.checkpointing`) or scaling presets
 (:mod:`raydeck.train.presets`).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +26,9 @@ from raydeck.tracking.client.tracker import Tracker
 from raydeck.train.presets import DEFAULT_CHECKPOINTS_TO_KEEP, DEFAULT_MAX_FAILURES
 
 logger = logging.getLogger(__name__)
+
+# Ray Train's switch for its node-drain (spot preemption) watcher; see without_preemption_watcher.
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 
 
 def checkpoint_storage_path(settings: Settings) -> str:
@@ -51,6 +57,36 @@ def torch_config(scaling_config: Any) -> Any:
     resources = scaling_config.resources_per_worker or {}
     gpus = float(resources.get("GPU", 1.0 if scaling_config.use_gpu else 0.0))
     return TorchConfig(backend="gloo") if 0 < gpus < 1 else TorchConfig()
+
+
+def without_preemption_watcher() -> None:
+    """Start the ``TorchTrainer`` runs of this process without Ray Train's preemption watcher,
+    unless ``RAY_TRAIN_ENABLE_PREEMPTION_WATCHER`` is set already (a user's choice wins: ``1``
+    keeps the watcher, and the ERROR line below with it).
+
+    Why: Ray 2.60's Train v2 controller starts a ``PreemptionWatcher`` actor for every worker
+    group (``ray/train/v2/_internal/callbacks/preemption_callback.py``,
+    ``PreemptionCallback.after_worker_group_start``) with ``max_restarts=-1`` and the worker
+    actors' handles among its constructor arguments. Ray Core's ``CoreWorker::CreateActor``
+    logs, at ERROR, that any restartable actor whose arguments carry a reference (an actor
+    handle counts, unless its actor is detached) "has constructor arguments in the object
+    store and max_restarts > 0" (ray-project/ray#53727; #57931 exempts only detached actors).
+    The workers are not detached, so every fit's controller logged that line, and Ray streams
+    it into the job's log: a false alarm in every healthy job. Nothing raydeck passes causes
+    it, and no Ray option but this switch avoids it.
+
+    What is lost: the watcher only tells the workers ahead of time that their node is being
+    drained (``ray.train.get_preemption_info()``) and lets the survivors run until the drain's
+    deadline. raydeck's training functions do not read that signal (raydeck's own preemption is
+    the queue's, :mod:`raydeck.tracking.client.preemption`), and a worker lost with a drained
+    node is still told apart from a failure (``max_preemption_failures``) and restarted from
+    the latest checkpoint. It also saves an actor process per fit.
+
+    Ray Train reads the switch from the driver's environment when a fit starts its controller
+    (``get_env_vars_to_propagate``) and hands it on to the controller, so it is set in this
+    process's ``os.environ``, and stays set for the rest of the process.
+    """
+    os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")
 
 
 def within_queue(scaling_config: Any) -> Any:
@@ -109,6 +145,7 @@ def fit(
     from raydeck.storage import checkpoint_storage, verify
 
     verify(settings.storage)
+    without_preemption_watcher()
     run_config = tracker.run_config(
         **checkpoint_storage(settings).run_config_kwargs(),
         failure_config=FailureConfig(max_failures=max_failures),

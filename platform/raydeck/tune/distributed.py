@@ -50,11 +50,12 @@ def fit_distributed(job: SweepJob, config: SweepConfig, trial_config: dict[str, 
 
     from raydeck.storage import checkpoint_storage
     from raydeck.train.checkpointing import log_points
-    from raydeck.train.trainer import torch_config, within_queue
+    from raydeck.train.trainer import torch_config, within_queue, without_preemption_watcher
 
     reports: Any = Queue(maxsize=1, actor_options={"num_cpus": 0})
     outcome: dict[str, Any] = {}
     finished = threading.Event()
+    without_preemption_watcher()  # as fit: Ray 2.60's watcher logs a false ERROR per fit
     trainer = TorchTrainer(
         job.train_fn,
         train_loop_config={**trial_config, "data": data},

@@ -1,16 +1,24 @@
 """Attained-service policies (Tiresias, NSDI 2019): order jobs by the service they have had,
 not by a predicted duration, so short jobs finish first without anyone estimating them.
 
-Owns: :func:`service_rate`, :func:`gittins_index`, :class:`LeastAttainedService` (``las``:
-discretized 2D-LAS) and :class:`Gittins` (``gittins``: 2D-Gittins), both registered in
-:func:`raydeck.scheduling.policies.registry.make_policy`.
+Owns: :func:`service_rate`, :func:`attained`, :func:`gittins_index`, :func:`adaptive_thresholds`,
+:class:`LeastAttainedService` (``las``: discretized 2D-LAS) and :class:`Gittins` (``gittins``:
+2D-Gittins), both registered in :func:`raydeck.scheduling.policies.registry.make_policy`.
 
 Attained service is two-dimensional, space x time: GPU-seconds (the gang's GPUs x the seconds
 it held them, over all its attempts); a job without GPUs counts CPU-seconds instead (the
-thresholds are then CPU-seconds: CPU-only jobs on a GPU cluster are few and small). A policy
-learns it from :meth:`~raydeck.scheduling.policies.core.Policy.ended` (each piece a job ran) plus,
-for a running job, the time since it started; a job is known by its id and submission time (a
-victim keeps both, a resubmission is a new job).
+thresholds are then CPU-seconds: CPU-only jobs on a GPU cluster are few and small). The policy
+keeps none of it: a job's earlier attempts' service is its own
+(:attr:`~raydeck.scheduling.policies.core.QueuedJob.attained_s`, which the queue keeps in its
+store and the simulator in its replay), plus, for a running job, its service rate times the time
+since it started. So a new policy (the queue configured, or its actor restarted) ranks a
+preempted job where the old one did.
+
+Levels adapt to the cluster (:func:`adaptive_thresholds`): by default ``las``' thresholds are
+quantiles of the service that ended jobs attained (the cluster's own history, then each job this
+policy sees finish), as Tiresias sets its thresholds to its trace's job distribution; fixed
+thresholds (``raydeck queue --thresholds``) win over them. ``gittins`` ranks over the same
+history when it knows nothing closer to the job.
 
 Why: an estimate-free SJF. Under heavy-tailed durations a job that has run long is likely to
 run much longer, so a job with less service goes first; a new job preempts one that has had
@@ -20,12 +28,20 @@ and a new checkpoint, and a victim waits for the job it was stopped for). Priori
 when preempting (a job never stops one of higher priority; a higher one may stop any lower),
 quotas and gang placement are the base policy's (:class:`~raydeck.scheduling.policies.core.Policy`).
 
+Work-conserving, as Tiresias places jobs: a job that does not fit does not hold back the jobs
+after it (they start in the room it cannot use; the room for it is made by preempting jobs it
+outranks). Without it, a job queued behind a large one waits whatever its rank: on Tiresias'
+60-job trace no thresholds brought ``las`` below 0.94 of FIFO's average completion time.
+
 Starvation bound: a job that has waited ``aging_s`` since it last ran (or was submitted) goes
-first (Tiresias promotes it to the top queue), so a long job that keeps being passed still
-finishes.
+first (Tiresias promotes it to the top queue), and from then on nothing starts past it, so a
+long or large job that keeps being passed still finishes. When it last ran is the policy's own
+(:meth:`AttainedService.ended`): a new policy counts a victim's wait from its submission, so it
+is promoted sooner, never later.
 
 Contract: within a level (LAS) or an index (Gittins) jobs go first come, first served; a
-job's rank only gets worse as it runs (LAS) or follows its duration distribution (Gittins).
+job's rank only gets worse as it runs (LAS; adaptive levels move only as jobs finish) or follows
+its duration distribution (Gittins); a job's attained service never decreases.
 """
 
 from __future__ import annotations
@@ -41,16 +57,24 @@ import numpy as np
 from raydeck.errors import ConfigError
 from raydeck.scheduling.policies.core import (
     DEFAULT_AGING_S,
+    Capacity,
     Policy,
     QueuedJob,
     Resources,
     RunningJob,
+    work_lost_s,
 )
 
 # Tiresias' two thresholds, in GPU-seconds: a GPU-hour, then ten (a 4-GPU job passes the first
-# after 15 minutes). Jobs below the first are those a short-job-first policy would favour.
+# after 15 minutes). The levels until the cluster's history has ``MIN_HISTORY`` ended jobs.
 DEFAULT_THRESHOLDS = (3600.0, 36000.0)
-# Finished jobs' services a Gittins policy keeps as the cluster's distribution (the newest).
+# The quantiles of ended jobs' services that adaptive thresholds sit at: the first lets 90 % of
+# jobs finish in the top level, the second parts the longest 1 % from the rest. Lower ones
+# preempted more and did worse in the benchmark's replays (docs/scheduling-measurements.md).
+ADAPTIVE_QUANTILES = (0.9, 0.99)
+# Ended jobs' services before the levels adapt: fewer say little about the distribution.
+MIN_HISTORY = 20
+# Ended jobs' services a policy keeps as the cluster's history (the newest).
 CLUSTER_SAMPLES = 2000
 
 
@@ -76,6 +100,13 @@ def service_unit(needs: Resources) -> str:
     return "GPU" if needs.gpus > 0 else "CPU"
 
 
+def attained(job: QueuedJob, since_s: float | None, now: float) -> float:
+    """Service ``job`` had in its earlier attempts, plus since ``since_s`` (its running
+    piece; None: it is not running) to ``now``."""
+    running = 0.0 if since_s is None else max(now - since_s, 0.0)
+    return job.attained_s + service_rate(job.needs) * running
+
+
 def gittins_index(services: Sequence[float], attained: float) -> float:
     """The Gittins index of a job that has had ``attained`` service, its total service drawn
     from ``services`` (ascending): the best, over quanta D, of P(it ends within D more) /
@@ -90,15 +121,40 @@ def gittins_index(services: Sequence[float], attained: float) -> float:
     return float(np.max(np.arange(1, len(left) + 1) / np.maximum(used, 1e-9)))
 
 
+def adaptive_thresholds(services: Sequence[float]) -> tuple[float, ...]:
+    """Levels fitted to ``services`` (ended jobs' total services, ascending): their
+    ``ADAPTIVE_QUANTILES`` (a repeated or zero one dropped), or ``DEFAULT_THRESHOLDS`` while
+    there are fewer than ``MIN_HISTORY`` or none of them is above zero."""
+    if len(services) < MIN_HISTORY:
+        return DEFAULT_THRESHOLDS
+    picked = sorted({services[min(int(q * len(services)), len(services) - 1)]
+                     for q in ADAPTIVE_QUANTILES} - {0.0})
+    return tuple(picked) or DEFAULT_THRESHOLDS
+
+
+def _checked(values: Sequence[float]) -> list[float]:
+    for value in values:
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"a duration or service of {value}: must be a number >= 0")
+    return list(values)
+
+
 class AttainedService(Policy):
-    """What both policies share: attained service per job, the starvation bound, and
-    preemption by rank (:meth:`rank`: lower goes first; :meth:`describe_rank`, what
-    ``raydeck queue`` shows of it)."""
+    """What both policies share: attained service (a job's own, see the module docs), the
+    cluster's history of ended jobs' services (``services``, oldest first, then each job this
+    policy sees finish), the starvation bound, work-conserving starts and preemption by rank
+    (:meth:`rank`: lower goes first; :meth:`describe_rank`, what ``raydeck queue`` shows of it).
+
+    Raises:
+        ConfigError: a service that is not a number >= 0.
+    """
 
     def __init__(self, aging_s: float = DEFAULT_AGING_S,
-                 quotas: Mapping[str, Resources] | None = None) -> None:
+                 quotas: Mapping[str, Resources] | None = None,
+                 services: Sequence[float] = ()) -> None:
         super().__init__(aging_s, quotas)
-        self._served: dict[tuple[str, float], float] = {}
+        self._cluster = _checked(services)[-CLUSTER_SAMPLES:]
+        self._sorted = sorted(self._cluster)
         self._last_ran: dict[tuple[str, float], float] = {}
 
     @abc.abstractmethod
@@ -109,12 +165,15 @@ class AttainedService(Policy):
     def describe_rank(self, job: QueuedJob, attained: float) -> str:
         """:meth:`rank` in words, for ``raydeck queue``."""
 
+    @property
+    def ended_services(self) -> list[float]:
+        """The ended jobs' services this policy knows, ascending."""
+        return self._sorted
+
     def attained(self, job: QueuedJob, since_s: float | None = None,
                  now: float = 0.0) -> float:
-        """Service ``job`` had before, plus since ``since_s`` (its running piece) to ``now``."""
-        running = 0.0 if since_s is None else max(now - since_s, 0.0)
-        return (self._served.get((job.id, job.submitted_s), 0.0)
-                + service_rate(job.needs) * running)
+        """:func:`attained`."""
+        return attained(job, since_s, now)
 
     def key(self, job: QueuedJob, running: Sequence[RunningJob], now: float) -> tuple[float, ...]:
         return self.rank(job, self.attained(job))
@@ -123,15 +182,38 @@ class AttainedService(Policy):
         """Since it last ran (a victim's wait starts again when it stops)."""
         return now - self._last_ran.get((job.id, job.submitted_s), job.submitted_s)
 
+    def decide(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
+               free: Capacity, total: Resources, now: float) -> list[QueuedJob]:
+        """Jobs to start now, in order: every job of the ordered queue that fits (placed whole)
+        and its quota allows, passing those that do not fit, up to the first aged job that does
+        not (past the starvation bound a job's room is kept: nothing starts after it)."""
+        started: list[QueuedJob] = []
+        running = list(running)
+        for job in self.order(queue, running, now):
+            if not self.allowed(job, running):
+                continue
+            left = free.after(job)
+            if left is None:
+                if self.waiting(job, now) >= self.aging_s:
+                    break
+                continue
+            started.append(job)
+            running.append(RunningJob(job, now))
+            free = left
+        return started
+
     def ended(self, job: RunningJob, now: float) -> None:
-        ident = (job.job.id, job.job.submitted_s)
-        self._served[ident] = self.attained(job.job, job.started_s, now)
-        self._last_ran[ident] = now
+        self._last_ran[(job.job.id, job.job.submitted_s)] = now
 
     def finished(self, job: RunningJob, now: float) -> None:
-        ident = (job.job.id, job.job.submitted_s)
-        self._last_ran.pop(ident, None)
-        self._served.pop(ident, None)
+        """``job``'s total service joins the cluster's history (the oldest dropped past
+        ``CLUSTER_SAMPLES``)."""
+        self._last_ran.pop((job.job.id, job.job.submitted_s), None)
+        served = self.attained(job.job, job.started_s, now)
+        self._cluster.append(served)
+        bisect.insort(self._sorted, served)
+        if len(self._cluster) > CLUSTER_SAMPLES:
+            self._sorted.remove(self._cluster.pop(0))
 
     def outranks(self, job: QueuedJob, victim: RunningJob, now: float) -> bool:
         """A lower priority, or the same and a worse rank than ``job`` (ties never preempt)."""
@@ -142,7 +224,7 @@ class AttainedService(Policy):
     def victim_key(self, victim: RunningJob, now: float) -> tuple[float | str, ...]:
         """Lowest priority first, then the worst rank, then the least work lost."""
         worst = tuple(-part for part in self._running_rank(victim, now))
-        return (victim.job.priority, *worst, now - (victim.checkpoint_s or now), victim.job.id)
+        return (victim.job.priority, *worst, work_lost_s(victim, now), victim.job.id)
 
     def may_outrank(self, queue: Sequence[QueuedJob], piece: RunningJob) -> bool:
         """A running job's rank worsens as it runs: any job of its priority or above may."""
@@ -154,19 +236,32 @@ class AttainedService(Policy):
 
 class LeastAttainedService(AttainedService):
     """Discretized 2D-LAS: queue ``i`` holds jobs whose service passed ``thresholds[:i]``;
-    lower queues go first, first come, first served within one."""
+    lower queues go first, first come, first served within one. ``thresholds``: fixed levels
+    (None: :func:`adaptive_thresholds` of the cluster's history, refitted as jobs finish).
+
+    Raises:
+        ConfigError: thresholds that are not increasing numbers > 0.
+    """
 
     name = "las"
 
     def __init__(self, aging_s: float = DEFAULT_AGING_S,
                  quotas: Mapping[str, Resources] | None = None,
-                 thresholds: Sequence[float] = DEFAULT_THRESHOLDS) -> None:
-        super().__init__(aging_s, quotas)
-        thresholds = tuple(thresholds)
-        if not all(0 < t < math.inf for t in thresholds) or list(thresholds) != sorted(
-                set(thresholds)):
-            raise ConfigError(f"thresholds={thresholds}: must be increasing numbers > 0")
-        self.thresholds = thresholds
+                 thresholds: Sequence[float] | None = None,
+                 services: Sequence[float] = ()) -> None:
+        super().__init__(aging_s, quotas, services)
+        if thresholds is not None:
+            thresholds = tuple(thresholds)
+            if not thresholds or not all(0 < t < math.inf for t in thresholds) \
+                    or list(thresholds) != sorted(set(thresholds)):
+                raise ConfigError(f"thresholds={thresholds}: must be increasing numbers > 0")
+        self.pinned = thresholds
+        self._fitted = adaptive_thresholds(self.ended_services)
+
+    @property
+    def thresholds(self) -> tuple[float, ...]:
+        """The levels in force: the fixed ones, else those fitted to the history."""
+        return self.pinned if self.pinned is not None else self._fitted
 
     def level(self, attained: float) -> int:
         """The queue of a job with ``attained`` service (0: below the first threshold)."""
@@ -179,16 +274,24 @@ class LeastAttainedService(AttainedService):
         """``Q<queue> of <queues>`` (Q0 goes first)."""
         return f"Q{self.level(attained)} of {len(self.thresholds) + 1}"
 
+    def finished(self, job: RunningJob, now: float) -> None:
+        super().finished(job, now)
+        self._fitted = adaptive_thresholds(self.ended_services)
+
 
 class Gittins(AttainedService):
     """2D-Gittins: the highest Gittins index (:func:`gittins_index`) first, over the
     distribution of the job's own earlier runs when ``history`` has its key (durations in
     seconds, times its service rate), else the cluster's: ``services`` (GPU-seconds of
-    finished jobs) and every job this policy saw finish. Ties go to the least served.
+    ended jobs) and every job this policy saw finish. Ties go to the least served.
 
     In the queue, ``durations`` (MLflow's, read by the queue outside its lock) stand behind
     ``history``: the job key's runs, else the cluster's runs (seconds, times the job's own
-    service rate: a run's GPUs are not in MLflow), else ``services`` as above."""
+    service rate: a run's GPUs are not in MLflow), else ``services`` as above.
+
+    Raises:
+        ConfigError: a duration or service that is not a number >= 0.
+    """
 
     name = "gittins"
 
@@ -196,14 +299,10 @@ class Gittins(AttainedService):
                  quotas: Mapping[str, Resources] | None = None,
                  history: Mapping[str, Sequence[float]] | None = None,
                  services: Sequence[float] = (), durations: Durations | None = None) -> None:
-        super().__init__(aging_s, quotas)
+        super().__init__(aging_s, quotas, services)
         self.durations = durations
-        for value in (*services, *(d for runs in (history or {}).values() for d in runs)):
-            if not (math.isfinite(value) and value >= 0):
-                raise ConfigError(f"a duration or service of {value}: must be a number >= 0")
-        self.history = {key: sorted(runs) for key, runs in (history or {}).items() if runs}
-        self._cluster = list(services)[-CLUSTER_SAMPLES:]
-        self._sorted = sorted(self._cluster)
+        self.history = {key: sorted(_checked(runs)) for key, runs in (history or {}).items()
+                        if runs}
 
     def distribution(self, job: QueuedJob) -> list[float]:
         """Total services (ascending) ``job``'s is drawn from."""
@@ -213,7 +312,7 @@ class Gittins(AttainedService):
         if runs:
             rate = service_rate(job.needs)
             return [rate * duration for duration in runs]
-        return self._sorted
+        return self.ended_services
 
     def rank(self, job: QueuedJob, attained: float) -> tuple[float, ...]:
         return (-gittins_index(self.distribution(job), attained), attained)
@@ -222,12 +321,3 @@ class Gittins(AttainedService):
         """``index <Gittins index> per <GPU or CPU>-h`` (higher goes first)."""
         index = gittins_index(self.distribution(job), attained) * 3600
         return f"index {index:.3g} per {service_unit(job.needs)}-h"
-
-    def finished(self, job: RunningJob, now: float) -> None:
-        served = self._served.get((job.job.id, job.job.submitted_s))
-        if served is not None:
-            self._cluster.append(served)
-            bisect.insort(self._sorted, served)
-            if len(self._cluster) > CLUSTER_SAMPLES:
-                self._sorted.remove(self._cluster.pop(0))
-        super().finished(job, now)

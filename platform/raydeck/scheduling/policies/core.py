@@ -20,9 +20,9 @@ Ray. Fractional GPU shares count as packed onto partly used GPUs first (as Ray a
 
 Contract: a policy never starts a job that does not fit the free resources, and it never
 starts jobs past the first one it orders but cannot start, except where the policy says so
-(backfill, a team over its quota): so a large job at the head is not starved by a stream of
-small ones. Aging bounds every wait: a job queued longer than ``aging_s`` goes ahead of every
-job that has waited less.
+(backfill, a team over its quota, ``las`` and ``gittins`` until that job has aged): so a large
+job at the head is not starved by a stream of small ones. Aging bounds every wait: a job queued
+longer than ``aging_s`` goes ahead of every job that has waited less.
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ DEFAULT_AGING_S = 3600.0
 class QueuedJob:
     """A job waiting to start; ``gang`` says how its ``needs`` must be placed (None: anywhere,
     as in the simulator's traces); ``key``: the job's digest (same job file, preset and
-    arguments), under which its earlier runs' durations are known ("": none)."""
+    arguments), under which its earlier runs' durations are known ("": none);
+    ``attained_s``: the service (GPU-seconds; CPU-seconds without GPUs) its earlier attempts
+    had, which the attained-service policies rank by
+    (:mod:`raydeck.scheduling.policies.attained_service`)."""
 
     id: str
     team: str
@@ -52,6 +55,7 @@ class QueuedJob:
     estimate_s: float
     gang: Gang | None = None
     key: str = ""
+    attained_s: float = 0.0
 
     def waited(self, now: float) -> float:
         return now - self.submitted_s
@@ -121,6 +125,12 @@ class RunningJob:
         return self.started_s + self.job.estimate_s
 
 
+def work_lost_s(victim: RunningJob, now: float) -> float:
+    """The work ``victim`` loses if stopped at ``now``: the time since its last checkpoint (0
+    without one: such a job is never a victim). A checkpoint at clock 0.0 is a checkpoint."""
+    return 0.0 if victim.checkpoint_s is None else now - victim.checkpoint_s
+
+
 def team_usage(team: str, running: Sequence[RunningJob]) -> Resources:
     """What ``team``'s running jobs hold."""
     used = Resources()
@@ -179,7 +189,7 @@ class Policy(abc.ABC):
 
     def victim_key(self, victim: RunningJob, now: float) -> tuple[float | str, ...]:
         """Victims' order: lowest priority first, then the least work lost."""
-        return (victim.job.priority, now - (victim.checkpoint_s or now), victim.job.id)
+        return (victim.job.priority, work_lost_s(victim, now), victim.job.id)
 
     def may_outrank(self, queue: Sequence[QueuedJob], piece: RunningJob) -> bool:
         """Whether a job in ``queue`` may come to outrank ``piece`` while it runs."""

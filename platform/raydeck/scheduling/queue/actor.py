@@ -5,17 +5,21 @@ that ticks every ``RAYDECK_QUEUE_TICK_S``, 2 s by default) and :func:`queue_hand
 or starts it. The actor restarts after a crash (``max_restarts=-1``) and reads everything from its
 database, so killing it loses and duplicates nothing; its database is SQLite in the head's
 ``RAYDECK_DATA_DIR`` unless ``RAYDECK_QUEUE_DATABASE_URL`` (on the head) names another
-(PostgreSQL). It reads its settings from the head's environment, like Ray's own processes.
+(PostgreSQL). It reads its settings from the head's environment, like Ray's own processes, and
+its admins from ``queue-admins`` in that data dir
+(:class:`~raydeck.scheduling.queue.access.AdminsFile`).
 
 Calls answer ``(True, value)`` or ``(False, message)``: a refusal is one line for the CLI, not
 a Ray traceback. Calls that change a job or the configuration carry the caller's
 :class:`~raydeck.scheduling.queue.identity.Identity` (a submission: its spec's submitter), which the
-queue checks (:mod:`raydeck.scheduling.queue.access`). Calls run concurrently
+queue checks (:mod:`raydeck.scheduling.queue.access`); a job's own calls carry its attempt's
+token instead. Calls run concurrently
 (``max_concurrency``) with the tick: the queue's own lock is never held across a call to the
 job server or MLflow (:mod:`raydeck.scheduling.queue.job_queue`), and every job-server call is
-bounded (:class:`~raydeck.scheduling.queue.launcher.TimedLauncher`). The CLI's calls pass their job
-server (address and token), which the actor uses from then on, for Serve's REST API on the same
-dashboard too (:class:`~raydeck.scheduling.queue.serve_apps.RayServe`).
+bounded (:class:`~raydeck.scheduling.queue.launcher.TimedLauncher`). The actor talks to the job
+server of the cluster it runs on, found from its head, for Serve's REST API on the same dashboard
+too (:class:`~raydeck.scheduling.queue.serve_apps.RayServe`); the job server a CLI call passes is
+only a hint for that call (:mod:`raydeck.scheduling.queue.job_server`).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from raydeck.errors import ConfigError, RaydeckError
 from raydeck.jobs.submission import JobServer
 from raydeck.scheduling.queue.config_change import ConfigChange
 from raydeck.scheduling.queue.identity import Identity
+from raydeck.scheduling.queue.job_server import QueueServer
 from raydeck.scheduling.queue.launcher import Observer
 from raydeck.scheduling.queue.serve_apps import RayServe
 
@@ -46,8 +51,9 @@ DATABASE_URL_ENV = "RAYDECK_QUEUE_DATABASE_URL"
 class QueueActor:
     """The queue actor (created through :func:`queue_handle`)."""
 
-    def __init__(self, server: JobServer) -> None:
+    def __init__(self) -> None:
         from raydeck.config.settings import load_settings
+        from raydeck.scheduling.queue.access import ADMINS_FILE, AdminsFile
         from raydeck.scheduling.queue.history import MlflowHistory
         from raydeck.scheduling.queue.job_queue import JobQueue
         from raydeck.scheduling.queue.launcher import TimedLauncher
@@ -60,13 +66,15 @@ class QueueActor:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
         url = os.environ.get(DATABASE_URL_ENV) or f"sqlite:///{settings.data_dir / 'queue.db'}"
         tracking = settings.tracking.enabled
-        self._jobs = RayJobs(server)
-        self._serve = RayServe(server)
+        # The job server of the cluster the actor runs on (its head), never a caller's.
+        self._servers = QueueServer()
         history = MlflowHistory(settings.tracking.uri) if tracking else None
         self._queue = JobQueue(
-            Store(url), TimedLauncher(self._jobs), observer=QueueMetrics(), history=history,
-            run_finished=MlflowRuns(settings.tracking.uri) if tracking else None,
-            cluster=history.cluster if history is not None else None, serve=self._serve)
+            Store(url), TimedLauncher(RayJobs(self._servers)), observer=QueueMetrics(),
+            history=history, run_finished=MlflowRuns(settings.tracking.uri) if tracking else None,
+            cluster=history.cluster if history is not None else None,
+            serve=RayServe(self._servers),
+            admins=AdminsFile(settings.data_dir / ADMINS_FILE))
         self._stop = threading.Event()
         self._tick_s = settings.queue_tick_s
         threading.Thread(target=self._loop, name="raydeck-queue-tick", daemon=True).start()
@@ -83,12 +91,11 @@ class QueueActor:
 
     def _call(self, fn: Callable[[], Any], server: JobServer | None = None
               ) -> tuple[bool, Any]:
-        """``fn()``'s answer; ``server``: the caller's job server, used from now on."""
-        if server is not None:
-            self._jobs.use(server)
-            self._serve.use(server)
+        """``fn()``'s answer; ``server``: the caller's job server, a hint for this call only
+        (:meth:`~raydeck.scheduling.queue.job_server.QueueServer.hinted`)."""
         try:
-            return True, fn()
+            with self._servers.hinted(server):
+                return True, fn()
         except RaydeckError as exc:
             return False, str(exc)
 
@@ -104,8 +111,9 @@ class QueueActor:
                      server: JobServer | None = None) -> tuple[bool, Any]:
         return self._call(lambda: self._queue.reprioritize(job_id, priority, who), server)
 
-    def listing(self, server: JobServer | None = None) -> tuple[bool, Any]:
-        return self._call(lambda: (self._queue.describe(), self._queue.listing()), server)
+    def listing(self, server: JobServer | None = None, ended: bool = False
+                ) -> tuple[bool, Any]:
+        return self._call(lambda: (self._queue.describe(), self._queue.listing(ended)), server)
 
     def configure(self, change: ConfigChange, who: Identity, server: JobServer | None = None
                   ) -> tuple[bool, Any]:
@@ -117,14 +125,15 @@ class QueueActor:
     def tick(self) -> tuple[bool, Any]:
         return self._call(self._queue.tick)
 
-    def checkpointed(self, job_id: str) -> tuple[bool, Any]:
-        return self._call(lambda: self._queue.checkpointed(job_id))
+    # A job's own calls: ``token`` is its attempt's (raydeck.tracking.client.preemption).
+    def checkpointed(self, job_id: str, token: str) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.checkpointed(job_id, token))
 
-    def preempted(self, job_id: str) -> tuple[bool, Any]:
-        return self._call(lambda: self._queue.preempted(job_id))
+    def preempted(self, job_id: str, token: str) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.preempted(job_id, token))
 
-    def completed(self, job_id: str) -> tuple[bool, Any]:
-        return self._call(lambda: self._queue.completed(job_id))
+    def completed(self, job_id: str, token: str) -> tuple[bool, Any]:
+        return self._call(lambda: self._queue.completed(job_id, token))
 
 
 class QueueMetrics(Observer):
@@ -166,7 +175,7 @@ class QueueMetrics(Observer):
         self._seen |= set(by_team_and_state)
 
 
-def queue_handle(server: JobServer, namespace: str) -> Any:
+def queue_handle(namespace: str) -> Any:
     """The running queue actor, or a new one pinned to the head node. The caller is connected
     to the cluster (``raydeck.cluster.connection.connect_existing``)."""
     import ray
@@ -184,7 +193,7 @@ def queue_handle(server: JobServer, namespace: str) -> Any:
     }
     if head is not None:
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=False)
-    return ray.remote(QueueActor).options(**options).remote(server)
+    return ray.remote(QueueActor).options(**options).remote()
 
 
 def answer(reply: tuple[bool, Any]) -> Any:

@@ -6,8 +6,9 @@ whole gang as its resources, a key naming "the same job" for duration prediction
 dir zipped here, as Ray's job client would, so the queue can start it hours later), checking the
 runtime env now the way Ray's job client will check it on the head (:func:`head_runtime_env`),
 and the calls to the queue actor. Every function that calls the queue connects to the cluster
-first, passes its job server (the actor uses the latest caller's address and token) and waits at
-most ``CALL_TIMEOUT_S`` for the answer (:func:`call`).
+first, passes its job server (to the actor only a hint, used while it has found no job server
+of its own: :mod:`raydeck.scheduling.queue.job_server`) and waits at most ``CALL_TIMEOUT_S`` for
+the answer (:func:`call`).
 """
 
 from __future__ import annotations
@@ -150,7 +151,7 @@ def job_spec(request: JobRequest, settings: Settings, team: str, priority: int,
 def enqueue(settings: Settings, server: JobServer, spec: JobSpec, package: bytes | None
             ) -> JobView:
     connect_running(settings.ray_address)
-    handle = queue_handle(server, settings.ray_namespace)
+    handle = queue_handle(settings.ray_namespace)
     return call(handle.submit.remote(spec, package, server),
                 "; it may still have been queued: `raydeck queue` lists it")
 
@@ -174,21 +175,22 @@ def call(reply: Any, unsure: str = "") -> Any:
             f"may be slow to answer it){unsure}; try again") from None
 
 
-def listing(settings: Settings, server: JobServer, change: ConfigChange | None = None
-            ) -> tuple[str, list[Entry]]:
+def listing(settings: Settings, server: JobServer, change: ConfigChange | None = None,
+            ended: bool = False) -> tuple[str, list[Entry]]:
     """The queue's settings in words (:meth:`~raydeck.scheduling.queue.job_queue.JobQueue.describe`)
-    and entries, after applying ``change`` (as this process's OS user)."""
+    and entries (with ``ended``, the jobs that ended too), after applying ``change`` (as this
+    process's OS user)."""
     connect_running(settings.ray_address)
-    handle = queue_handle(server, settings.ray_namespace)
+    handle = queue_handle(settings.ray_namespace)
     if change is not None and not change.empty():
         call(handle.configure.remote(change, Identity.here(), server))
-    return call(handle.listing.remote(server))
+    return call(handle.listing.remote(server, ended))
 
 
 def cancel(settings: Settings, server: JobServer, job_id: str) -> JobView:
     """Cancel ``job_id`` as this process's OS user."""
     connect_running(settings.ray_address)
-    handle = queue_handle(server, settings.ray_namespace)
+    handle = queue_handle(settings.ray_namespace)
     return call(handle.cancel.remote(job_id, Identity.here(), server),
                 f"; it may still have been cancelled: `raydeck queue` shows {job_id}")
 
@@ -196,22 +198,24 @@ def cancel(settings: Settings, server: JobServer, job_id: str) -> JobView:
 def reprioritize(settings: Settings, server: JobServer, job_id: str, priority: int) -> JobView:
     """Give ``job_id`` a new priority as this process's OS user."""
     connect_running(settings.ray_address)
-    handle = queue_handle(server, settings.ray_namespace)
+    handle = queue_handle(settings.ray_namespace)
     return call(handle.reprioritize.remote(job_id, priority, Identity.here(), server))
 
 
-def refused(settings: Settings) -> list[JobView]:
-    """The queue's jobs that the job server refused lately: they never became job-server jobs,
-    so ``raydeck jobs`` adds them to Ray's list. Empty when no queue runs or it cannot be
-    reached from here: ``raydeck jobs`` needs only the job server, and this is an extra."""
+def never_started(settings: Settings) -> list[JobView]:
+    """The queue's jobs that ended without ever becoming a job-server job (the job server
+    refused them, or they were cancelled while queued): ``raydeck jobs`` adds them to Ray's
+    list. Empty when no queue runs or it cannot be reached from here: ``raydeck jobs`` needs
+    only the job server, and this is an extra."""
     import ray
 
     try:
         connect_running(settings.ray_address)
         handle = ray.get_actor(ACTOR_NAME, namespace=settings.ray_namespace)
-        reply: Any = ray.get(handle.listing.remote(), timeout=REFUSED_TIMEOUT_S)
+        reply: Any = ray.get(handle.listing.remote(None, True), timeout=REFUSED_TIMEOUT_S)
         _, entries = answer(reply)
     except Exception as exc:  # no cluster or queue here; listing the job server's jobs is enough
-        logger.debug("the queue's refused jobs cannot be read: %s", exc)
+        logger.debug("the queue's ended jobs cannot be read: %s", exc)
         return []
-    return [entry.job for entry in entries if entry.job.state == "failed"]
+    return [entry.job for entry in entries
+            if entry.job.state in ("failed", "cancelled") and entry.job.started_at is None]

@@ -19,19 +19,26 @@ from raydeck.observability.prometheus import parse_duration
 from raydeck.scheduling.policies.registry import make_policy
 from raydeck.scheduling.queue.jobspec import TeamsFile
 
+# ``--thresholds auto``: las' levels adapt to the services of the jobs that ended.
+AUTO_THRESHOLDS = "auto"
+
 
 def parse_thresholds(text: str) -> tuple[float, ...]:
     """``--thresholds``: comma-separated GPU-times (CPU-times for a job without GPUs), each a
-    duration (``1h,10h``: 1 then 10 GPU-hours; ``30,300``: seconds), as GPU-seconds.
+    duration (``1h,10h``: 1 then 10 GPU-hours; ``30,300``: seconds), as GPU-seconds; ``auto``
+    (an empty tuple): the levels adapt to the services of the jobs that ended (the default).
 
     Raises:
         ConfigError: a part is not a positive duration (naming it and the form).
     """
+    if text.strip().lower() == AUTO_THRESHOLDS:
+        return ()
     try:
         return tuple(parse_duration(part) for part in text.split(","))
     except ConfigError:
         raise ConfigError(f"--thresholds={text}: must be comma-separated GPU-times, each a "
-                          "positive duration, e.g. 1h,10h (1 then 10 GPU-hours)") from None
+                          "positive duration, e.g. 1h,10h (1 then 10 GPU-hours), or auto "
+                          "(levels that adapt to the jobs that ended)") from None
 
 
 @dataclass(frozen=True)
@@ -44,7 +51,7 @@ class ConfigChange:
         aging_s: the starvation bound: a job that has waited this long goes first.
         teams: the teams file (:class:`~raydeck.scheduling.queue.jobspec.TeamsFile`).
         thresholds_s: ``las``' levels, increasing GPU-seconds (CPU-seconds for a job without
-            GPUs) of attained service.
+            GPUs) of attained service; empty: adaptive again (``--thresholds auto``).
         min_run_s: how long a job resumed after a preemption runs before it may be preempted
             again (:func:`~raydeck.scheduling.policies.preemption.preemptible`).
 
@@ -68,7 +75,7 @@ class ConfigChange:
             raise ConfigError(f"--aging={self.aging_s}: must be > 0 seconds")
         if self.thresholds_s is not None:
             thresholds = tuple(self.thresholds_s)
-            if not thresholds or not all(0 < t < math.inf for t in thresholds) \
+            if not all(0 < t < math.inf for t in thresholds) \
                     or list(thresholds) != sorted(set(thresholds)):
                 raise ConfigError(f"--thresholds={','.join(f'{t:g}s' for t in thresholds)}: "
                                   "must be increasing GPU-times > 0, e.g. 1h,10h")

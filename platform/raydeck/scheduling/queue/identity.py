@@ -1,22 +1,29 @@
-"""Who is calling the queue: :class:`Identity`, the OS user and host a client runs as.
+"""Who is calling the queue: :class:`Identity`, the OS account and host a client runs as.
 
 Owns: making and validating an identity (and a list of user names, as the teams file gives its
-members and admins). What each identity may do is :mod:`raydeck.scheduling.queue.access`.
+members and the head its admins). What each identity may do is
+:mod:`raydeck.scheduling.queue.access`.
 
-Why the OS user and not a token: raydeck has no user database to issue, hand out and revoke
-tokens from, and Ray's own auth token is one per cluster, shared by every user, so it says
-which cluster, not who. The OS user is what every cluster user already has, needs no set-up,
-and reads well in ``raydeck queue``. It is what the client says it is: the queue trusts it.
-That is enough for what these rules are for (mistakes and misuse by cluster users: cancelling
-someone else's job, claiming another team's share, an unbounded ``--priority``), and a token
-would add nothing against what they cannot stop: anyone who can reach the cluster's Ray can run
-code on it, the queue's actor and its database included (docs/scheduling.md).
+The account is the calling process's own: the name of its uid in the system's user database
+(``pwd``), never ``LOGNAME``/``USER`` (which ``getpass.getuser()`` reads first, and which anyone
+sets: ``LOGNAME=root raydeck cancel ...`` is still its real user). So through raydeck's commands
+a user acts as themselves only. The queue's actor takes the identity a call carries as sent: a
+program of one's own that calls the actor through Ray may send any identity, as it may stop any
+Ray job; Ray has no access control, and anyone who can run code on the cluster can do anything
+there (docs/scheduling.md, "Identity and limits", says what this protects against and what not).
+
+Why the OS account and not a per-user credential: raydeck has no user database to issue, hand
+out and revoke them from, and Ray's own auth token is one per cluster, shared by every user: it
+says which cluster, not who. Against the threats these rules are for (mistakes, and one user
+acting as another through raydeck's commands) the OS account is enough; against someone with
+raw Ray access a credential checked by the queue's actor would protect nothing, since they can
+replace the actor or edit its database.
 """
 
 from __future__ import annotations
 
-import getpass
 import os
+import pwd
 import re
 import socket
 from collections.abc import Iterable
@@ -31,9 +38,9 @@ _HOST = re.compile(r"^[A-Za-z0-9_.\-]{1,253}$")
 
 @dataclass(frozen=True)
 class Identity:
-    """The OS ``user`` a client runs as and its ``host`` (recorded with each job it submits;
-    only ``user`` decides what it may do: the same person on another machine is the same
-    user)."""
+    """The OS account (``user``) a client runs as and its ``host`` (recorded with each job it
+    submits; only ``user`` decides what it may do: the same account name on another machine is
+    the same user)."""
 
     user: str
     host: str
@@ -45,11 +52,13 @@ class Identity:
 
     @classmethod
     def here(cls) -> Identity:
-        """This process's OS user and host name (a uid without a user name is ``uid<N>``)."""
+        """This process's OS account, by its uid (never an environment variable), and host name
+        (a uid without an entry in the user database, as in some containers, is ``uid<N>``)."""
+        uid = os.getuid()
         try:
-            user = getpass.getuser()
-        except (KeyError, OSError):  # no passwd entry and no USER/LOGNAME (some containers)
-            user = f"uid{os.getuid()}"
+            user = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            user = f"uid{uid}"
         return cls(user, socket.gethostname() or "localhost")
 
     def __str__(self) -> str:
@@ -64,7 +73,7 @@ def user_name(name: object, where: str) -> str:
 
 
 def users(names: object, where: str) -> frozenset[str]:
-    """A list of user names (the teams file's ``members`` and ``admins``), validated."""
+    """A list of user names (a team's ``members``, the queue's admins), validated."""
     if isinstance(names, str) or not isinstance(names, Iterable):
         raise ConfigError(f"{where}: must be a list of user names, e.g. [ana, bo]")
     return frozenset(user_name(name, where) for name in names)

@@ -23,6 +23,12 @@ from raydeck.scheduling.queue.reconcile import refused
 from raydeck.scheduling.queue.store import ACTIVE, ENDED, JobRow, Store
 
 
+def reached(row: JobRow) -> bool:
+    """Whether the job server may have ``row``'s current attempt: it was started, or its
+    submission failed without an answer (it may have got through)."""
+    return row.state in ACTIVE or (row.state == "queued" and row.submit_failures > 0)
+
+
 def job(store: Store, job_id: str) -> JobRow:
     """The queue's job ``job_id``.
 
@@ -48,32 +54,42 @@ class JobChanges:
         """As ``who``: take a queued job out (one waiting to retry its submission too), stop a
         started one, or clear one the job server refused from ``raydeck queue``.
 
+        Every attempt the job server may have is stopped before the job is recorded
+        cancelled: the current one of a started job, and that of a queued job whose
+        submission's answer was lost (it may have reached the job server). An attempt that
+        became current meanwhile (a relaunch or requeue racing this cancel) is stopped too;
+        one that still lands later is stopped by the next tick
+        (:meth:`~raydeck.scheduling.queue.job_queue.JobQueue.tick`'s orphans).
+
         Raises:
             ConfigError: no such job, ``who`` may not cancel it (:mod:`.access`), it has
                 already run and ended, or the job server cannot stop it now (it is
                 unreachable: the job keeps running; try again).
         """
-        with self.lock:
-            row = job(self.store, job_id)
-            access.check_change(who, row, "cancel", teams)
-            if row.state not in ("queued", *ACTIVE) and not refused(row):
-                raise ConfigError(f"job {job_id} has already ended ({row.state})")
-            if row.state not in ACTIVE:
-                return self._cancelled(row)
-        try:  # outside the lock: the job server may be slow
+        stopped: set[int] = set()
+        while True:
+            with self.lock:
+                row = job(self.store, job_id)
+                if not stopped:
+                    access.check_change(who, row, "cancel", teams)
+                    if row.state not in ("queued", *ACTIVE) and not refused(row):
+                        raise ConfigError(f"job {job_id} has already ended ({row.state})")
+                if row.state in ENDED and stopped:  # it ended meanwhile
+                    return JobView.of(row)
+                if not reached(row) or row.attempt in stopped:
+                    return self._cancelled(row)
+            self._stop(row)  # outside the lock: the job server may be slow
+            stopped.add(row.attempt)
+
+    def _stop(self, row: JobRow) -> None:
+        try:
             self.launcher.stop(row.submission_id)
         except Exception as exc:
             failure = classify(exc)
-            # 404: the job server never got it (the queue stopped between recording and
-            # submitting it): there is nothing to stop.
+            # 404: the job server does not have it (never got it): there is nothing to stop.
             if failure.http_status != 404:
-                raise ConfigError(f"cannot stop job {job_id} now: {failure.reason}; it "
+                raise ConfigError(f"cannot stop job {row.id} now: {failure.reason}; it "
                                   "keeps running, try again") from None
-        with self.lock:
-            current = self.store.get(job_id)
-            if current is None or current.state in ENDED:  # it ended meanwhile
-                return JobView.of(current or row)
-            return self._cancelled(current)
 
     def reprioritize(self, job_id: str, priority: int, who: Identity, teams: TeamsFile
                      ) -> JobView:

@@ -67,13 +67,13 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from raydeck.errors import ConfigError
 from raydeck.scheduling.policies import preemption as rules
 from raydeck.scheduling.policies.core import Capacity, QueuedJob, Resources, RunningJob
-from raydeck.scheduling.queue import access, job_changes, reconcile, resizing
+from raydeck.scheduling.queue import access, attempts, job_changes, reconcile, resizing
 from raydeck.scheduling.queue.config_change import ConfigChange
 from raydeck.scheduling.queue.configuration import QueueConfig
 from raydeck.scheduling.queue.failures import Backoff, classify
@@ -82,7 +82,7 @@ from raydeck.scheduling.queue.identity import Identity
 from raydeck.scheduling.queue.job_changes import JobChanges
 from raydeck.scheduling.queue.job_view import JobView
 from raydeck.scheduling.queue.jobspec import JobSpec, TeamsFile, admit
-from raydeck.scheduling.queue.launcher import Launcher, Observer
+from raydeck.scheduling.queue.launcher import JobState, Launcher, Observer
 from raydeck.scheduling.queue.listing import Entry, explain, held_back, predicted_starts
 from raydeck.scheduling.queue.reconcile import PREEMPT_GRACE_S, free_capacity, verdict
 from raydeck.scheduling.queue.reconcile import queued as _queued
@@ -90,9 +90,9 @@ from raydeck.scheduling.queue.reconcile import refused as _refused
 from raydeck.scheduling.queue.reconcile import running as _running
 from raydeck.scheduling.queue.reconcile import told as _told
 from raydeck.scheduling.queue.serve_apps import NoServe, ServeApp, ServeApps
-from raydeck.scheduling.queue.store import ACTIVE, ENDED, JobRow, Store, queued_row, submission_id
+from raydeck.scheduling.queue.store import ACTIVE, ENDED, JobRow, Store, queued_row
 from raydeck.scheduling.queue.submission import Submitter
-from raydeck.scheduling.queue.witness import RunFinished, witness
+from raydeck.scheduling.queue.witness import RunFinished
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +104,6 @@ REFUSED_SHOWN_S = 24 * 3600.0
 RETENTION_S = 7 * 24 * 3600.0
 # How often a tick deletes what is past retention (and the first tick always does).
 PRUNE_EVERY_S = 3600.0
-
-
 class JobQueue:
     """The queue's logic over a :class:`Store` and a :class:`Launcher` (see module docs).
     Thread-safe: clients call it while its tick runs."""
@@ -117,7 +115,8 @@ class JobQueue:
                  backoff: Backoff | None = None,
                  run_finished: RunFinished | None = None,
                  cluster: Callable[[], list[float]] | None = None,
-                 serve: ServeApps | None = None) -> None:
+                 serve: ServeApps | None = None,
+                 admins: access.AdminsFile | None = None) -> None:
         """``history(key)``: how long earlier runs of the job with that key took, newest first
         (MLflow's: :class:`raydeck.scheduling.queue.history.MlflowHistory`); the queue's own record
         of the jobs it ran is used when it has none or fails. It is called without the queue's
@@ -129,7 +128,8 @@ class JobQueue:
         the job server forgot is run again. ``cluster()``: any job's earlier durations
         (:meth:`~raydeck.scheduling.queue.history.MlflowHistory.cluster`), for ``gittins``.
         ``serve``: the cluster's Serve deployments, elastic jobs of their own
-        (:mod:`raydeck.scheduling.queue.serve_apps`; read and bounded without the lock)."""
+        (:mod:`raydeck.scheduling.queue.serve_apps`; read and bounded without the lock).
+        ``admins``: the head's file naming the queue's admins (None: it has none)."""
         self._store = store
         self._run_finished = run_finished
         self._backoff = backoff or Backoff()
@@ -145,7 +145,7 @@ class JobQueue:
         self._pruned_at: float | None = None
         self._submitter = Submitter(store, launcher, self._backoff, self._lock)
         self._changes = JobChanges(store, launcher, self._lock, clock)
-        self._config = QueueConfig(store, clock, self._history)
+        self._config = QueueConfig(store, clock, self._history, admins)
         self._policy = self._config.policy()
         self._min_run_s = self._config.min_run_s()
 
@@ -198,8 +198,8 @@ class JobQueue:
         if previous is not None and previous.state not in ENDED:
             raise ConfigError(f"job {spec.id} is already in the queue ({previous.state}); "
                               f"`raydeck cancel {spec.id}` takes it out")
-        attempt = previous.attempt + 1 if previous is not None else 0
-        self._submitter.refuse_known(spec.id, submission_id(spec.id, attempt))
+        attempt = self._submitter.free_attempt(
+            spec.id, previous.attempt + 1 if previous is not None else 0)
         # History beats a guess: the user's estimate counts only for a job never run before.
         estimate = self.predict(spec.key) or spec.estimate_s or DEFAULT_ESTIMATE_S
         row = queued_row(spec, estimate, self._clock(), attempt)
@@ -228,10 +228,11 @@ class JobQueue:
     def _job(self, job_id: str) -> JobRow:
         return job_changes.job(self._store, job_id)
 
-    def listing(self) -> list[Entry]:
+    def listing(self, ended: bool = False) -> list[Entry]:
         """Every job not ended, in start order, with why it waits and when it should start;
         then the jobs the job server refused in the last ``REFUSED_SHOWN_S`` (why: its
-        reason)."""
+        reason); with ``ended``, every job that ended within ``RETENTION_S`` instead (how it
+        ended: cancelled, its exit code and its log's last line), oldest first."""
         now = self._clock()
         rows = {r.id: r for r in self._store.jobs("queued")}
         queued = [_queued(r) for r in rows.values()]
@@ -244,43 +245,69 @@ class JobQueue:
             ordered = self._policy.order(queued, running, now)
             policy = copy.deepcopy(self._policy)  # read without the lock below
         predicted = predicted_starts(policy, ordered, running, total, now)
-        entries = explain(rows, ordered, active, running, free, claiming, self.teams_file().teams,
+        entries = explain(rows, ordered, active, running, free, claiming, self._config.teams(),
                           policy, predicted, now)
         entries += [Entry(app.view(now), None, None, app.why()) for app in apps]
-        entries += [Entry(JobView.of(r), None, None, r.reason) for r in self._store.jobs("failed")
-                    if _refused(r) and r.ended_at is not None
-                    and now - r.ended_at < REFUSED_SHOWN_S]
+        shown = self._store.ended_since(now - (RETENTION_S if ended else REFUSED_SHOWN_S))
+        entries += [Entry(JobView.of(r), None, None, r.reason) for r in shown
+                    if ended or _refused(r)]
         return entries
 
     # --- what a queued job tells the queue ----------------------------------------------------
-    def checkpointed(self, job_id: str) -> bool:
-        """A started job committed a checkpoint now (it can be preempted from here on).
+    # Each carries the token of the attempt that calls (RAYDECK_QUEUE_TOKEN in its runtime
+    # env): only the current attempt reports its checkpoints, its stop and its completion.
+    def checkpointed(self, job_id: str, token: str) -> bool:
+        """The attempt of a started job holding ``token`` committed a checkpoint now (it can be
+        preempted from here on).
 
         Returns:
-            Whether the queue asks it to stop there (it is ``preempting``).
+            Whether the queue asks it to stop there: it is ``preempting``, or ``token`` is not
+            the current attempt's (an attempt the queue no longer runs, or a process that is
+            not the job's; nothing is recorded).
         """
         with self._lock:
             row = self._store.get(job_id)
-            if row is None or row.state not in ACTIVE:
+            if row is None:
+                return False
+            if not access.is_current_attempt(row, token):
+                logger.warning("job %s: a checkpoint reported without the token of its current "
+                               "attempt %s; told to stop, nothing recorded", job_id,
+                               row.submission_id)
+                return True
+            if row.state not in ACTIVE:
                 return False
             self._store.update(job_id, checkpoint_at=self._clock())
             return row.state == "preempting"
 
-    def preempted(self, job_id: str) -> int | None:
+    def preempted(self, job_id: str, token: str) -> int | None:
         """Which of ``job_id``'s stops for the queue (preemptions and elastic resizes) this is
         (1 for the first): it was told so at a checkpoint it committed after being asked. None
-        if it was not (it may have finished first)."""
-        with self._lock:
-            row = self._store.get(job_id)
-            return (row.preemptions + row.resizes + 1 if row is not None and _told(row)
-                    else None)
+        if it was not (it may have finished first).
 
-    def completed(self, job_id: str) -> None:
-        """The job's driver saw training run to its end (not stopped for the queue): a job
-        that was told to stop and still ends SUCCEEDED is requeued unless it said this."""
+        Raises:
+            ConfigError: ``token`` is not the current attempt's.
+        """
         with self._lock:
             row = self._store.get(job_id)
-            if row is not None and row.state in ACTIVE:
+            if row is None:
+                return None
+            access.check_attempt(row, token, "preempted")
+            return row.preemptions + row.resizes + 1 if _told(row) else None
+
+    def completed(self, job_id: str, token: str) -> None:
+        """The job's driver saw training run to its end (not stopped for the queue): a job
+        that was told to stop and still ends SUCCEEDED is requeued unless it said this, and a
+        job the job server forgot counts as finished (:mod:`.witness`).
+
+        Raises:
+            ConfigError: ``token`` is not the current attempt's (nothing is recorded).
+        """
+        with self._lock:
+            row = self._store.get(job_id)
+            if row is None:
+                return
+            access.check_attempt(row, token, "completed")
+            if row.state in ACTIVE:
                 self._store.update(job_id, completed_at=self._clock())
 
     # --- the loop ----------------------------------------------------------------------------
@@ -294,21 +321,27 @@ class JobQueue:
         with self._ticking:
             now = self._clock()
             self._prune(now)
-            for row, status, finished in self._statuses():
-                try:
-                    self._reconcile(row, status, finished, now)
-                except Exception as exc:
-                    # One job (the job server briefly unreachable) never holds up the others
-                    # or what starts next: it is read again at the next tick.
-                    logger.warning("cannot reconcile job %s now: %s", row.id,
-                                   classify(exc).reason)
+            seen = attempts.read(self._store, self._launcher, self._run_finished, now)
+            if seen is not None:
+                with self._lock:
+                    for row in seen.adopt:
+                        self._adopt(row, now)
+                attempts.stop(self._launcher, seen.orphans)
+                for row, state, finished, tail in seen.active:
+                    try:
+                        self._reconcile(row, state, finished, tail, now)
+                    except Exception as exc:
+                        # One job (the job server briefly unreachable) never holds up the
+                        # others or what starts next: it is read again at the next tick.
+                        logger.warning("cannot reconcile job %s now: %s", row.id,
+                                       classify(exc).reason)
             try:
                 return self._schedule(now)
             finally:
                 counts: dict[tuple[str, str], int] = {}
                 for row in self._store.jobs("queued", *ACTIVE):
-                    state = "queued" if row.state == "queued" else "running"
-                    counts[(row.team, state)] = counts.get((row.team, state), 0) + 1
+                    kind = "queued" if row.state == "queued" else "running"
+                    counts[(row.team, kind)] = counts.get((row.team, kind), 0) + 1
                 self._observer.counts(counts)
 
     def _prune(self, now: float) -> None:
@@ -321,26 +354,26 @@ class JobQueue:
             logger.info("deleted %d job(s) ended over %.0f days ago and %d unused package(s)",
                         jobs, RETENTION_S / 86400, packages)
 
-    def _statuses(self) -> Iterator[tuple[JobRow, str | None, str]]:
-        """Each started job with the job server's status for it and, for a job it forgot, why
-        the job's witness says it finished (:func:`witness`); all asked without the lock."""
-        for row in self._store.jobs(*ACTIVE):
-            try:
-                status = self._launcher.status(row.submission_id)
-                finished = witness(row, self._run_finished) if status is None else ""
-            except Exception as exc:
-                logger.warning("cannot reconcile job %s now: %s", row.id, classify(exc).reason)
-                continue
-            yield row, status, finished
+    def _adopt(self, row: JobRow, now: float) -> None:
+        """Queued ``row``'s submission, whose answer was lost, reached the job server: it is
+        started (its next reconcile reads how it runs), never submitted a second time."""
+        current = self._store.get(row.id)
+        if current is None or current.state != "queued" or current.attempt != row.attempt:
+            return
+        self._store.update(row.id, state="starting", started_at=now, submit_failures=0,
+                           retry_at=None, reason="")
+        logger.info("job %s: its submission reached the job server after all", row.id)
 
-    def _reconcile(self, row: JobRow, status: str | None, finished: str, now: float) -> None:
-        """Apply the job server's ``status`` and the witness's ``finished`` (read without the
-        lock) to ``row``, unless the job changed meanwhile (cancelled, or requeued)."""
+    def _reconcile(self, row: JobRow, state: JobState | None, finished: str, tail: str,
+                   now: float) -> None:
+        """Apply the job server's ``state`` of the job, the witness's ``finished`` and a failed
+        job's log ``tail`` (read without the lock) to ``row``, unless the job changed meanwhile
+        (cancelled, or requeued)."""
         with self._lock:
             current = self._store.get(row.id)
             if current is None or current.state not in ACTIVE or current.attempt != row.attempt:
                 return
-            decided = verdict(current, status, now, finished)
+            decided = verdict(current, state, now, finished)
             if decided.action == "relaunch":
                 current = self._relaunch(current, now, decided.why)
             elif decided.action == "keep":
@@ -351,9 +384,14 @@ class JobQueue:
             elif decided.action == "requeue":
                 self._requeue(current, now, decided.why, decided.preempted)
             elif decided.action == "end":
-                self._store.update(row.id, state=decided.state, ended_at=now,
-                                   **({"reason": decided.why} if decided.why else {}))
+                last = tail.splitlines()[-1] if tail else ""
+                why = f"{decided.why}; its log ends: {last}" if last else decided.why
+                self._store.update(row.id, state=decided.state, ended_at=now, log_tail=tail,
+                                   exit_code=None if state is None else state.exit_code,
+                                   attained_s=reconcile.attained(current, now),
+                                   **({"reason": why} if why else {}))
                 self._policy.ended(_running(current, now), now)
+                self._policy.finished(_running(current, now), now)
                 self._observer.ended(current, now)
             elif decided.action == "running":
                 self._store.update(row.id, state="running")
@@ -363,6 +401,8 @@ class JobQueue:
         elif decided.action == "stop":
             logger.warning("job %s did not stop within %.0f s of its preemption; stopping it "
                            "(it resumes from its last checkpoint)", row.id, PREEMPT_GRACE_S)
+            with self._lock:  # recorded first: its STOPPED end is then the queue's doing
+                self._store.update(row.id, stopped_at=now)
             self._launcher.stop(current.submission_id)
 
     def _schedule(self, now: float) -> list[str]:
@@ -464,7 +504,8 @@ class JobQueue:
         self._store.update(row.id, state="queued", attempt=row.attempt + 1,
                            preemptions=row.preemptions + int(preempted), started_at=None,
                            preempt_at=None, checkpoint_at=None, completed_at=None, resize_to=0,
-                           reason=f"{why}; resumes from its checkpoint", **row.sized())
+                           stopped_at=None, reason=f"{why}; resumes from its checkpoint",
+                           attained_s=reconcile.attained(row, now), **row.sized())
         self._policy.ended(_running(row, now), now)
         logger.info("job %s is back in the queue: %s", row.id, why)
 
@@ -474,7 +515,8 @@ class JobQueue:
         the same run id, resuming from that checkpoint in its MLflow run."""
         self._store.update(row.id, state="starting", attempt=row.attempt + 1,
                            resizes=row.resizes + 1, started_at=now, preempt_at=None,
-                           checkpoint_at=None, completed_at=None, resize_to=0, reason=why,
+                           checkpoint_at=None, completed_at=None, resize_to=0, stopped_at=None,
+                           reason=why, attained_s=reconcile.attained(row, now),
                            **row.sized(row.resize_to))
         self._policy.ended(_running(row, now), now)
         logger.info("job %s restarts at once: %s", row.id, why)

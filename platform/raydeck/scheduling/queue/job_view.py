@@ -46,6 +46,9 @@ class JobView:
     # What the size counts: a Serve deployment (raydeck.scheduling.queue.serve_apps) counts
     # replicas, its range its autoscaling bounds, ``resize_to`` the ceiling the queue holds it to.
     unit: str = "workers"
+    # How its last attempt ended: the driver's exit code and, for a failure, its log's end.
+    exit_code: int | None = None
+    log_tail: str = ""
 
     @classmethod
     def of(cls, row: JobRow) -> JobView:
@@ -54,7 +57,8 @@ class JobView:
                    row.entrypoint, row.estimate_s, row.state, row.reason, row.submitted_at,
                    row.started_at, row.ended_at, row.submission_id, row.preemptions,
                    row.user, row.host, row.workers if elastic else 0, row.min_workers,
-                   row.max_workers, row.resize_to)
+                   row.max_workers, row.resize_to, exit_code=row.exit_code,
+                   log_tail=row.log_tail)
 
     @property
     def size(self) -> str:

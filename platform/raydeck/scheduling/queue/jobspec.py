@@ -70,8 +70,10 @@ class Team:
 @dataclass(frozen=True)
 class TeamsFile:
     """The teams file (``raydeck queue --teams FILE``): each team by name, and ``admins``, the
-    users who may change it and cancel or reprioritize any job (its reserved key
-    ``admins: [ana]``; none named: anyone may change it)."""
+    users who may change it and cancel or reprioritize any job. The queue's admins are the
+    head's (:class:`~raydeck.scheduling.queue.access.AdminsFile`), which the queue puts here;
+    a file's own reserved key ``admins: [ana]`` is parsed only so that the queue can refuse a
+    file naming other admins than its own."""
 
     teams: Mapping[str, Team] = field(default_factory=dict)
     admins: frozenset[str] = frozenset()

@@ -10,9 +10,11 @@ tests use fakes with the same behaviour.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import contextvars
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 from raydeck.scheduling.policies.core import Resources
@@ -28,6 +30,19 @@ _LAUNCHER_THREADS = 4
 _T = TypeVar("_T")
 
 
+@dataclass(frozen=True)
+class JobState:
+    """What the job server says of one submission: Ray's ``status`` (``PENDING``, ``RUNNING``,
+    ``SUCCEEDED``, ``FAILED``, ``STOPPED``) and, once its driver exited, its ``exit_code``
+    (Ray's ``driver_exit_code``; None while it runs, or when Ray did not see the exit: a
+    driver killed with its node). ``queue_id``: the queue's id of the job when the queue
+    started it ("" otherwise: a job submitted to Ray directly)."""
+
+    status: str
+    exit_code: int | None = None
+    queue_id: str = ""
+
+
 class Launcher(abc.ABC):
     """The job server the queue starts jobs on."""
 
@@ -38,8 +53,16 @@ class Launcher(abc.ABC):
         :func:`~raydeck.scheduling.queue.failures.classify`)."""
 
     @abc.abstractmethod
-    def status(self, submission_id: str) -> str | None:
-        """Ray's job status (``PENDING``, ``RUNNING``, ``SUCCEEDED``...), None if unknown."""
+    def statuses(self, submission_ids: Collection[str]) -> dict[str, JobState]:
+        """The state of each of ``submission_ids`` that the job server has, read in one
+        request (Ray's: one ``list_jobs``). An id missing from the answer is one the job
+        server does not know (its head restarted, or it never got the submission): that is
+        its answer, never a guess from an error. Raises when it cannot answer."""
+
+    @abc.abstractmethod
+    def log_tail(self, submission_id: str) -> str:
+        """The last lines of a job's log (for a job recorded failed); "" when there is none
+        or it cannot be read."""
 
     @abc.abstractmethod
     def stop(self, submission_id: str) -> None:
@@ -98,7 +121,9 @@ class TimedLauncher(Launcher):
         self._pool = ThreadPoolExecutor(_LAUNCHER_THREADS, thread_name_prefix="raydeck-launcher")
 
     def _bounded(self, what: str, call: Callable[[], _T]) -> _T:
-        future = self._pool.submit(call)
+        # In the caller's context: a caller's checked job server serves its call only
+        # (raydeck.scheduling.queue.job_server.QueueServer.hinted).
+        future = self._pool.submit(contextvars.copy_context().run, call)
         try:
             return future.result(timeout=self._timeout_s)
         except FutureTimeout:
@@ -110,9 +135,16 @@ class TimedLauncher(Launcher):
         self._bounded(f"submitting {row.submission_id}",
                       lambda: self._launcher.submit(row, package))
 
-    def status(self, submission_id: str) -> str | None:
-        return self._bounded(f"the status of {submission_id}",
-                             lambda: self._launcher.status(submission_id))
+    def statuses(self, submission_ids: Collection[str]) -> dict[str, JobState]:
+        return self._bounded(f"the status of {len(submission_ids)} job(s)",
+                             lambda: self._launcher.statuses(submission_ids))
+
+    def log_tail(self, submission_id: str) -> str:
+        try:
+            return self._bounded(f"the log of {submission_id}",
+                                 lambda: self._launcher.log_tail(submission_id))
+        except LauncherTimeout:
+            return ""  # the contract: "" when it cannot be read
 
     def stop(self, submission_id: str) -> None:
         self._bounded(f"stopping {submission_id}", lambda: self._launcher.stop(submission_id))

@@ -121,7 +121,8 @@ def predicted_starts(policy: Policy, ordered: list[QueuedJob], running: list[Run
     ahead = [TraceJob(r.job.id, now, max(r.expected_end_s - now, 0.0), r.job.needs,
                       r.job.team, 0) for r in running]
     trace = ahead + [TraceJob(j.id, j.submitted_s, j.estimate_s, j.needs, j.team,
-                              j.priority, j.estimate_s) for j in ordered]
+                              j.priority, j.estimate_s, attained_s=j.attained_s)
+                     for j in ordered]
     try:
         schedule = simulate(trace, copy.deepcopy(policy), total, pinned=[a.id for a in ahead])
     except ConfigError:

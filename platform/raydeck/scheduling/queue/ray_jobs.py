@@ -6,76 +6,83 @@ whether Ray has placed its placement groups (Ray's state API), and each node's f
 resources (what is free counts jobs started outside the queue). Runs
 inside the queue's actor, which is connected to the cluster.
 
-Ray's job client sends its HTTP requests without a timeout (a dashboard that accepts a
-connection and never answers would hold a call forever): every request is sent here with
-``REQUEST_TIMEOUT_S``. The job server's address and token are the latest caller's
-(:meth:`RayJobs.use`): the actor outlives the client that started it.
+The job server is the queue's own cluster's, never a caller's
+(:class:`~raydeck.scheduling.queue.job_server.QueueServer` says which and why). Ray's job client
+sends its HTTP requests without a timeout (a dashboard that accepts a connection and never
+answers would hold a call forever): every request is sent here with the server's timeout,
+building the client included (:meth:`raydeck.jobs.submission.JobServer.client`).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
+import math
+from collections.abc import Collection
 from typing import Any
 
-from raydeck._internal.contract import QUEUE_JOB_ENV, QUEUE_WORKERS_ENV
-from raydeck._internal.redaction import redact_url
+from raydeck._internal.contract import QUEUE_JOB_ENV, QUEUE_TOKEN_ENV, QUEUE_WORKERS_ENV
+from raydeck._internal.redaction import redact_text
 from raydeck.errors import JobSubmissionError
 from raydeck.jobs.submission import JobServer
 from raydeck.scheduling.policies.resources import Resources
-from raydeck.scheduling.queue.launcher import LAUNCHER_TIMEOUT_S, Launcher
+from raydeck.scheduling.queue.job_server import QueueServer
+from raydeck.scheduling.queue.launcher import JobState, Launcher
 from raydeck.scheduling.queue.store import JobRow
 
 logger = logging.getLogger(__name__)
 
-# Each HTTP request to the job server (connect, and each read); the queue bounds whole calls
-# with LAUNCHER_TIMEOUT_S too (raydeck.scheduling.queue.launcher.TimedLauncher).
-REQUEST_TIMEOUT_S = LAUNCHER_TIMEOUT_S
+# The lines of a failed job's log the queue keeps with its record (raydeck queue, raydeck jobs).
+LOG_TAIL_LINES = 20
 
 
 def queue_env(row: JobRow) -> dict[str, str]:
     """The variables the queue sets in a job's runtime env (driver and every worker): its queue
-    id (preemption asks by it) and, for an elastic job, the most workers the queue allows it
-    now (:func:`raydeck.train.trainer.fit` keeps Ray Train within it)."""
+    id (preemption asks by it), its attempt's token (which it sends with each call:
+    :mod:`raydeck.tracking.client.preemption`) and, for an elastic job, the most workers the
+    queue allows it now (:func:`raydeck.train.trainer.fit` keeps Ray Train within it)."""
     allowed = {QUEUE_WORKERS_ENV: str(row.workers)} if row.elastic else {}
-    return {QUEUE_JOB_ENV: row.id, **allowed}
+    return {QUEUE_JOB_ENV: row.id, QUEUE_TOKEN_ENV: row.token, **allowed}
+
+
+def _queue_id(runtime_env: dict[str, Any] | None) -> str:
+    """The queue's id of a job the queue started (its runtime env carries it), else ""."""
+    return str(((runtime_env or {}).get("env_vars") or {}).get(QUEUE_JOB_ENV, ""))
 
 
 class RayJobs(Launcher):
-    """Jobs on the Ray cluster whose job server is ``server``."""
+    """Jobs on the Ray cluster whose job server ``servers`` gives (by default the cluster's
+    own, found from the connected process: the queue's actor)."""
 
-    def __init__(self, server: JobServer) -> None:
-        self._server = server
-        self._client: Any = None
-        self._state_client: Any = None
-
-    def use(self, server: JobServer) -> None:
-        """Send the next calls to ``server``: a caller's address and token, which may have
-        changed since the actor started (a new token, a moved dashboard)."""
-        if server != self._server:
-            logger.info("the queue now reaches the job server at %s", redact_url(server.address))
-            self._server, self._client, self._state_client = server, None, None
+    def __init__(self, servers: QueueServer | None = None) -> None:
+        self._servers = servers or QueueServer()
+        # (server, client) of the last request's server: made again only when it changes.
+        self._client: tuple[JobServer, Any] | None = None
+        self._state_client: tuple[JobServer, Any] | None = None
 
     def _jobs(self) -> Any:
-        client: Any = self._client
-        if client is None:
-            client = self._server.client()
-            # Every request of Ray's job client goes through _do_request, whose extra keywords
-            # reach requests.request.
-            client._do_request = functools.partial(client._do_request,
-                                                   timeout=REQUEST_TIMEOUT_S)
-            self._client = client
-        return client
+        """Ray's job client for the current server, every request of it (its construction's
+        included) with the server's timeout."""
+        server = self._servers.current()
+        made = self._client
+        if made is None or made[0] != server:
+            made = (server, server.client(self._servers.timeout_s))
+            self._client = made
+        return made[1]
 
     def _state(self) -> Any:
-        """Ray's state API client for the same server, made once per server (as the jobs')."""
+        """Ray's state API client for the same server (it sends no request when made)."""
         from ray.util.state.api import StateApiClient
 
-        if self._state_client is None:
-            self._state_client = StateApiClient(address=self._server.address,
-                                                headers=self._server.headers() or None)
-        return self._state_client
+        server = self._servers.current()
+        made = self._state_client
+        if made is None or made[0] != server:
+            made = (server, StateApiClient(address=server.address))
+            self._state_client = made
+        # Exactly the server's headers, read now (a token file rotates), as the job client's:
+        # Ray's adds its own process's token to a request without one.
+        made[1]._headers = {"Content-Type": "application/json", **server.headers()}
+        return made[1]
 
     def submit(self, row: JobRow, package: bytes | None) -> None:
         from ray._private.runtime_env import packaging
@@ -98,13 +105,21 @@ class RayJobs(Launcher):
             # (raydeck.scheduling.queue.failures), the HTTP status in its text included.
             raise
 
-    def status(self, submission_id: str) -> str | None:
+    def statuses(self, submission_ids: Collection[str]) -> dict[str, JobState]:
+        wanted = set(submission_ids)
+        if not wanted:
+            return {}
+        return {job.submission_id: JobState(str(job.status.value), job.driver_exit_code,
+                                            _queue_id(job.runtime_env))
+                for job in self._jobs().list_jobs() if job.submission_id in wanted}
+
+    def log_tail(self, submission_id: str) -> str:
         try:
-            return str(self._jobs().get_job_status(submission_id).value)
-        except RuntimeError as exc:
-            if "does not exist" in str(exc) or "not found" in str(exc).lower():
-                return None
-            raise
+            text = self._jobs().get_job_logs(submission_id)
+        except Exception as exc:  # the contract: "" when it cannot be read
+            logger.warning("cannot read job %s's log: %s", submission_id, exc)
+            return ""
+        return redact_text("\n".join(text.rstrip().splitlines()[-LOG_TAIL_LINES:]))
 
     def stop(self, submission_id: str) -> None:
         # A job the job server never got answers 404 (a RuntimeError): the queue decides.
@@ -123,7 +138,7 @@ class RayJobs(Launcher):
             groups = self._state().list(
                 StateResource.PLACEMENT_GROUPS,
                 options=ListApiOptions(filters=[("creator_job_id", "=", job_id)],
-                                       timeout=int(REQUEST_TIMEOUT_S)),
+                                       timeout=max(1, math.ceil(self._servers.timeout_s))),
                 raise_on_missing_output=False)
         except Exception as exc:  # the state API is down: the gang waits at most CLAIM_S
             logger.warning("cannot read job %s's placement groups: %s", submission_id, exc)

@@ -21,8 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from raydeck._internal.contract import PREEMPTED_EXIT_CODE
+from raydeck.scheduling.policies import attained_service
 from raydeck.scheduling.policies.core import Capacity, QueuedJob, RunningJob
 from raydeck.scheduling.policies.resources import Gang, Resources
+from raydeck.scheduling.queue.launcher import JobState
 from raydeck.scheduling.queue.listing import strict
 from raydeck.scheduling.queue.store import JobRow
 
@@ -51,12 +54,12 @@ class Verdict:
     state: str = ""
 
 
-def verdict(row: JobRow, status: str | None, now: float, finished: str = "") -> Verdict:
-    """The verdict on active ``row`` whose job the job server reports as ``status`` (None: it
+def verdict(row: JobRow, state: JobState | None, now: float, finished: str = "") -> Verdict:
+    """The verdict on active ``row`` whose job the job server reports as ``state`` (None: it
     does not know the job); ``finished``: for a job it does not know, why the job's own
     witness says it ran to its end (:func:`raydeck.scheduling.queue.witness.witness`), else "".
     """
-    if status is None:
+    if state is None:
         if finished:
             # It ended while the head was down, or its driver's exit was never seen: it is
             # done, and running it again would run it twice.
@@ -67,11 +70,8 @@ def verdict(row: JobRow, status: str | None, now: float, finished: str = "") -> 
         # The job server forgot a job it ran: the head restarted (Ray keeps its jobs in the
         # head's GCS) and the job died with it.
         return Verdict("requeue", "lost when the cluster's head restarted")
-    if row.state == "preempting" and status in TERMINAL and (
-            status != "SUCCEEDED" or (told(row) and row.completed_at is None)):
-        # Stopped at its checkpoint (or by the job server after the grace period). A job told
-        # to stop whose driver still exited 0 without saying training ran to its end stopped
-        # there too: its run resumes rather than being taken as finished.
+    status = state.status
+    if row.state == "preempting" and status in TERMINAL and stopped_for_queue(row, state):
         if row.resize_to:
             return Verdict("relaunch", f"resized from {row.workers} to {row.resize_to} workers")
         return Verdict("requeue", "preempted", preempted=True)
@@ -82,8 +82,27 @@ def verdict(row: JobRow, status: str | None, now: float, finished: str = "") -> 
                                    f"asked to grow to {row.resize_to} workers")
         return Verdict("stop")
     if status in TERMINAL:
-        return Verdict("end", state=TERMINAL[status])
+        failed = status == "FAILED"
+        return Verdict("end", f"exited with code {state.exit_code}" if failed
+                       and state.exit_code is not None else "failed" if failed else "",
+                       state=TERMINAL[status])
     return Verdict("running") if row.state == "starting" else Verdict("")
+
+
+def stopped_for_queue(row: JobRow, state: JobState) -> bool:
+    """Whether preempting ``row``'s attempt, ended as ``state``, stopped for the queue: its
+    driver exited with the preempted code (75); or it was told to stop at a checkpoint and
+    then exited 0 without saying training ran to its end, or without Ray seeing its exit code;
+    or the queue stopped it itself after its grace period. Any other end (a crash while it was
+    asked, before it was told) is the job's own outcome, recorded as such: requeueing it would
+    hide the failure and run it again."""
+    if state.exit_code == PREEMPTED_EXIT_CODE:
+        return True
+    if state.status == "STOPPED":
+        return row.stopped_at is not None
+    if told(row):
+        return state.exit_code is None or (state.exit_code == 0 and row.completed_at is None)
+    return False
 
 
 def told(row: JobRow) -> bool:
@@ -103,13 +122,22 @@ def queued(row: JobRow) -> QueuedJob:
     gang = (Gang(row.workers, Resources(row.cpus / row.workers, row.gpus / row.workers),
                  row.placement, row.max_workers) if row.workers else None)
     return QueuedJob(row.id, row.team, row.priority, Resources(row.cpus, row.gpus),
-                     row.submitted_at, row.estimate_s, gang, key=row.key)
+                     row.submitted_at, row.estimate_s, gang, key=row.key,
+                     attained_s=row.attained_s)
 
 
 def running(row: JobRow, now: float) -> RunningJob:
     """``row`` as a policy sees a started job."""
-    return RunningJob(queued(row), row.started_at or now, row.checkpoint_at,
+    started = now if row.started_at is None else row.started_at
+    return RunningJob(queued(row), started, row.checkpoint_at,
                       resumed=row.preemptions + row.resizes > 0)
+
+
+def attained(row: JobRow, now: float) -> float:
+    """The service ``row`` has attained by ``now``: its ended attempts' plus, while started,
+    its current one's (:func:`raydeck.scheduling.policies.attained_service.attained`). The
+    queue stores it as ``attained_s`` as the attempt ends, so it never decreases."""
+    return attained_service.attained(queued(row), row.started_at, now)
 
 
 def holds(row: JobRow) -> Resources:

@@ -4,9 +4,10 @@ policy.
 
 Owns: :class:`ServeApp` (one deployment: its replicas now, what one holds, its autoscaling
 bounds and the ceiling the queue set), the :class:`ServeApps` interface the queue reads and
-bounds them through, and :class:`RayServe`, Serve's own REST API on the dashboard (the job
-server's address and token): ``GET /api/serve/applications/`` to read, and ``PUT`` of the same
-config with a lower ``max_replicas`` to bound. Serve applies a config whose code (import path,
+bounds them through, and :class:`RayServe`, Serve's own REST API on the dashboard (the queue's
+job server, :class:`~raydeck.scheduling.queue.job_server.QueueServer`, each request with its
+timeout): ``GET /api/serve/applications/`` to read, and ``PUT`` of the same config with a lower
+``max_replicas`` to bound. Serve applies a config whose code (import path,
 args, runtime env) is unchanged in place: no replica restarts, and a lower ``max_replicas``
 takes effect at the controller's next step (bounds skip the autoscaler's downscale delay).
 
@@ -41,17 +42,15 @@ import requests
 
 from raydeck._internal.contract import KV_NAMESPACE
 from raydeck.errors import ConfigError
-from raydeck.jobs.submission import JobServer
 from raydeck.scheduling.policies.resources import Resources
 from raydeck.scheduling.queue.failures import classify
+from raydeck.scheduling.queue.job_server import QueueServer
 from raydeck.scheduling.queue.job_view import JobView
 from raydeck.serving.deploy_config import deployed_config, with_application
 
 logger = logging.getLogger(__name__)
 
 SERVE_PATH = "/api/serve/applications/"
-# Each request to the dashboard's Serve API (connect, and each read).
-REQUEST_TIMEOUT_S = 30.0
 # Replica states that hold (or are about to hold) their resources.
 _LIVE = frozenset({"STARTING", "UPDATING", "RECOVERING", "RUNNING", "PENDING_MIGRATION"})
 _BOUND_KEY = "serve-bound:"
@@ -188,6 +187,18 @@ def bounded_config(details: Mapping[str, Any], app: ServeApp, scaling: Mapping[s
         for entry in config["deployments"]]})
 
 
+class ServeConfigChanged(RuntimeError):
+    """Serve's deployed config changed between the queue's read and its write: the write is
+    not made (it would revert that deploy)."""
+
+
+def deployments(details: Mapping[str, Any]) -> dict[str, Any]:
+    """What identifies each application's deploy in Serve's answer: when it was last deployed
+    and the config it was deployed with."""
+    return {name: (app.get("last_deployed_time_s"), app.get("deployed_app_config"))
+            for name, app in (details.get("applications") or {}).items()}
+
+
 class ServeApps(abc.ABC):
     """The cluster's Serve applications, as the queue reads and bounds them."""
 
@@ -231,20 +242,18 @@ class NoServe(ServeApps):
 
 
 class RayServe(ServeApps):
-    """Serve's REST API on the dashboard of ``server`` (the queue's job server); the bounds the
-    queue lowered in Ray's KV. Runs inside the queue's actor (connected to the cluster)."""
+    """Serve's REST API on the dashboard that ``servers`` gives (the queue's job server, by
+    default the cluster's own); the bounds the queue lowered in Ray's KV. Runs inside the
+    queue's actor (connected to the cluster)."""
 
-    def __init__(self, server: JobServer) -> None:
-        self._server = server
-
-    def use(self, server: JobServer) -> None:
-        """Send the next calls to ``server`` (the latest caller's address and token)."""
-        self._server = server
+    def __init__(self, servers: QueueServer | None = None) -> None:
+        self._servers = servers or QueueServer()
 
     def _request(self, method: str, body: Mapping[str, Any] | None = None) -> Any:
-        response = requests.request(method, self._server.address.rstrip("/") + SERVE_PATH,
-                                    json=body, headers=self._server.headers(),
-                                    timeout=REQUEST_TIMEOUT_S)
+        server = self._servers.current()
+        response = requests.request(method, server.address.rstrip("/") + SERVE_PATH,
+                                    json=body, headers=server.headers(),
+                                    timeout=self._servers.timeout_s)
         if method == "GET" and response.status_code == 404:
             return {}  # a dashboard without Serve's module (Ray's minimal install): no Serve
         response.raise_for_status()
@@ -285,6 +294,13 @@ class RayServe(ServeApps):
         scaling = bounded(own, ceiling)
         # Checked as Serve will: a config Serve fails to apply takes the deployment down.
         AutoscalingConfig(**scaling)
+        body = bounded_config(details, app, scaling)
+        # Serve's REST API has no conditional PUT: the config is read again right before it is
+        # written back, and a deploy that landed since (someone's `serve deploy`) wins; the
+        # ceiling is decided again at the next tick, on what is deployed then.
+        if deployments(self._request("GET")) != deployments(details):
+            raise ServeConfigChanged(f"Serve's config changed while {app.id}'s max_replicas "
+                                     "was being set; set again at the next tick")
         key = f"{_BOUND_KEY}{app.app}/{app.deployment}"
         # Recorded first: a PUT that fails leaves a record whose ``set`` Serve does not have,
         # which the next read drops.
@@ -292,7 +308,7 @@ class RayServe(ServeApps):
         if lowered:
             _internal_kv_put(key, json.dumps({"own": own, "set": ceiling}), overwrite=True,
                              namespace=KV_NAMESPACE)
-        self._request("PUT", bounded_config(details, app, scaling))
+        self._request("PUT", body)
         if not lowered:
             _internal_kv_del(key, namespace=KV_NAMESPACE)
         logger.info("Serve deployment %s: max_replicas %d (its own: %d)", app.id, ceiling,

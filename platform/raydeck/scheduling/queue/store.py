@@ -10,6 +10,7 @@ none twice: the job server refuses a second job with the same submission id.
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, cast
@@ -30,11 +31,14 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 from sqlalchemy.schema import CreateColumn
 
+from raydeck.scheduling.policies.attained_service import CLUSTER_SAMPLES
 from raydeck.scheduling.queue.jobspec import JobSpec
 
 # A ``preempting`` job still holds its resources: it was asked to stop at its next checkpoint.
 ACTIVE = ("starting", "running", "preempting")
 ENDED = ("succeeded", "failed", "stopped", "cancelled")
+# The ends the job server reported (a cancelled job was the queue's own doing).
+RAN_TO_END = ("succeeded", "failed", "stopped")
 
 
 class _Base(DeclarativeBase):
@@ -95,6 +99,23 @@ class JobRow(_Base):
     # (raydeck.scheduling.queue.identity; "" for a job queued before they were recorded).
     user: Mapped[str] = mapped_column(String(64), default="", server_default="")
     host: Mapped[str] = mapped_column(String(253), default="", server_default="")
+    # How the last attempt ended on the job server: its driver's exit code (None: still
+    # running, or Ray did not see it) and, for a failure, the last lines of its log.
+    exit_code: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    log_tail: Mapped[str] = mapped_column(Text, default="", server_default="")
+    # When the queue itself stopped the current attempt (a victim past its grace period): a
+    # STOPPED attempt was preempted only then, never when someone else stopped it.
+    stopped_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # The current attempt's token (:func:`new_token`): the job gets it in its runtime env
+    # (RAYDECK_QUEUE_TOKEN) and sends it with its checkpoints, its stop and its completion, so
+    # no other process, nor an earlier attempt, reports them (raydeck.scheduling.queue.access).
+    # A new one with each attempt: :func:`queued_row`, and :meth:`Store.update` whenever it
+    # changes ``attempt``. "" for a job queued before tokens (it sends none either).
+    token: Mapped[str] = mapped_column(String(64), default="", server_default="")
+    # The service its attempts that ended had (GPU-seconds; CPU-seconds without GPUs), which
+    # ``las`` and ``gittins`` rank by: added to as each attempt ends
+    # (raydeck.scheduling.queue.reconcile.attained), never lowered.
+    attained_s: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
 
     @property
     def submission_id(self) -> str:
@@ -129,7 +150,12 @@ def queued_row(spec: JobSpec, estimate_s: float, now: float, attempt: int) -> Jo
                   workers=gang.workers if gang else 0, placement=gang.strategy if gang else "",
                   min_workers=gang.workers if gang and gang.elastic else 0,
                   max_workers=gang.max_workers if gang else 0,
-                  user=spec.submitter.user, host=spec.submitter.host)
+                  user=spec.submitter.user, host=spec.submitter.host, token=new_token())
+
+
+def new_token() -> str:
+    """A fresh attempt token: 256 random bits, URL-safe (it travels in an env var)."""
+    return secrets.token_urlsafe(32)
 
 
 def submission_id(job_id: str, attempt: int) -> str:
@@ -215,10 +241,14 @@ class Store:
             return session.get(JobRow, job_id)
 
     def update(self, job_id: str, **values: Any) -> None:
+        """Set ``values`` on job ``job_id`` (KeyError: no such job); a new ``attempt`` gets a
+        new token with it."""
         with self._session() as session:
             row = session.get(JobRow, job_id)
             if row is None:
                 raise KeyError(job_id)
+            if values.get("attempt", row.attempt) != row.attempt and "token" not in values:
+                row.token = new_token()  # a new attempt: the earlier one's token is void
             for name, value in values.items():
                 setattr(row, name, value)
 
@@ -230,6 +260,16 @@ class Store:
                 .order_by(JobRow.ended_at.desc()).limit(limit))
             return [r.ended_at - r.started_at for r in rows
                     if r.ended_at is not None and r.started_at is not None]
+
+    def services(self, limit: int = CLUSTER_SAMPLES) -> list[float]:
+        """The service the last ``limit`` jobs that ended on the job server (not cancelled)
+        attained, oldest first: the cluster's history ``las``' levels adapt to."""
+        with self._session() as session:
+            values = session.scalars(
+                select(JobRow.attained_s).where(JobRow.state.in_(RAN_TO_END),
+                                                JobRow.attained_s > 0)
+                .order_by(JobRow.ended_at.desc()).limit(limit))
+            return list(values)[::-1]
 
     def add_package(self, uri: str, data: bytes) -> None:
         with self._session() as session:

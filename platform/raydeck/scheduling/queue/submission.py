@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from raydeck.errors import ConfigError
 from raydeck.scheduling.queue.failures import Backoff, Failure, classify
 from raydeck.scheduling.queue.launcher import Launcher
-from raydeck.scheduling.queue.store import JobRow, Store
+from raydeck.scheduling.queue.store import JobRow, Store, submission_id
 
 logger = logging.getLogger(__name__)
+
+# How many attempts of one id a new submission looks past (earlier lives of a reused id).
+_ATTEMPTS_LOOKED_UP = 64
 
 
 @dataclass(frozen=True)
@@ -34,20 +37,34 @@ class Submitter:
     backoff: Backoff
     lock: threading.RLock
 
-    def refuse_known(self, job_id: str, sid: str) -> None:
-        """Refuse ``job_id`` when the job server already has a job ``sid`` (started outside
-        the queue): the queue would otherwise take that job's status as its own. A job server
-        that cannot be asked now refuses nothing (its check would only delay the queue)."""
+    def free_attempt(self, job_id: str, attempt: int) -> int:
+        """The first attempt of ``job_id`` from ``attempt`` on whose submission id the job
+        server does not have: an earlier life of the same id that the queue started, and has
+        since forgotten (deleted after ``RETENTION_S``), is skipped, never taken as this one.
+        A job server that cannot be asked now refuses nothing (its check would only delay the
+        queue).
+
+        Raises:
+            ConfigError: the job server has a job under one of those ids that the queue did
+                not start (the queue would otherwise take that job's status as its own).
+        """
+        sids = [submission_id(job_id, a) for a in range(attempt, attempt + _ATTEMPTS_LOOKED_UP)]
         try:
-            status = self.launcher.status(sid)
+            known = self.launcher.statuses(sids)
         except Exception as exc:
             logger.warning("cannot ask the job server whether it has %s (%s); queued anyway",
-                           sid, classify(exc).reason)
-            return
-        if status is not None:
-            raise ConfigError(f"job {job_id}: the job server already has a job {sid} "
-                              f"({status}) that the queue did not start; queue it under "
-                              "another id (a new run: leave out --run-id)")
+                           sids[0], classify(exc).reason)
+            return attempt
+        for offset, sid in enumerate(sids):
+            state = known.get(sid)
+            if state is None:
+                return attempt + offset
+            if state.queue_id != job_id:
+                raise ConfigError(f"job {job_id}: the job server already has a job {sid} "
+                                  f"({state.status}) that the queue did not start; queue it "
+                                  "under another id (a new run: leave out --run-id)")
+        raise ConfigError(f"job {job_id}: the job server has {_ATTEMPTS_LOOKED_UP} earlier "
+                          "jobs under this id; queue it under another id")
 
     def start(self, row: JobRow, now: float) -> bool:
         """Submit ``row`` (recorded ``starting``); whether it started. A job cancelled while

@@ -11,9 +11,11 @@ Preemption as the queue does it, with the same rules
 (:mod:`raydeck.scheduling.policies.preemption`): when the policy's first waiting job does not fit,
 the policy names victims among the jobs that may be stopped; each stops at its next checkpoint,
 losing no work, goes back to the queue (same submission time, behind the job it was stopped for) and
-later runs what it had left. With a :class:`PreemptionCost` a preemption costs what it costs a real
-job: it stops at once, losing the work since its last checkpoint, and its restart holds its
-resources :data:`RESTART_OVERHEAD_S` before it makes progress again.
+later runs what it had left, with the service it attained so far in its queued job
+(:attr:`~raydeck.scheduling.policies.core.QueuedJob.attained_s`, as the queue keeps it in its
+store: ``las`` and ``gittins`` rank by it). With a :class:`PreemptionCost` a preemption costs
+what it costs a real job: it stops at once, losing the work since its last checkpoint, and its
+restart holds its resources :data:`RESTART_OVERHEAD_S` before it makes progress again.
 
 Elastic jobs (a trace job with ``min_workers < workers``; which ones resize and by how much is
 :mod:`raydeck.scheduling.policies.elastic`'s), as Ray Train v2 runs them and the queue's preemption
@@ -43,6 +45,7 @@ from dataclasses import dataclass
 from raydeck.errors import ConfigError
 from raydeck.scheduling.policies import elastic as resizing
 from raydeck.scheduling.policies import preemption as rules
+from raydeck.scheduling.policies.attained_service import service_rate
 from raydeck.scheduling.policies.core import Capacity, Policy, QueuedJob, Resources, RunningJob
 from raydeck.scheduling.simulator.report import Scheduled
 from raydeck.scheduling.simulator.trace import TraceJob
@@ -105,6 +108,7 @@ class _Replay:
         self.queue: list[QueuedJob] = []
         self.running: dict[str, RunningJob] = {}
         self.done_before: dict[str, float] = {}  # work done before the running piece
+        self.served: dict[str, float] = {}  # service its ended pieces had (attained_service)
         self.ends: list[tuple[float, str]] = []
         self.end_at: dict[str, float] = {}
         self.stopping: set[str] = set()
@@ -192,6 +196,8 @@ class _Replay:
         piece = self.running.pop(job_id)
         del self.end_at[job_id]
         self.free = self.free + piece.job.needs
+        self.served[job_id] = (self.served.get(job_id, 0.0)
+                               + service_rate(piece.job.needs) * (now - piece.started_s))
         self.policy.ended(piece, now)
         self.pieces.setdefault(job_id, []).append((piece.started_s, now))
         size = self.size.get(job_id)
@@ -217,10 +223,10 @@ class _Replay:
         self.overhead.pop(job_id, None)
         self.done_before[job_id] = done
         if resize is None:
-            self.queue.append(self.jobs[job_id].queued(done))
+            self.queue.append(self.jobs[job_id].queued(done, served_s=self.served[job_id]))
             return
         self.resizes[job_id] = self.resizes.get(job_id, 0) + 1
-        self._start(self.jobs[job_id].queued(done, resize), now, resize)
+        self._start(self.jobs[job_id].queued(done, resize, self.served[job_id]), now, resize)
 
     def _done(self, piece: RunningJob, now: float) -> float:
         """Work done by ``now`` (a restart's overhead is none)."""
@@ -376,7 +382,8 @@ class _Replay:
         old = self.running[job_id]
         trace = self.jobs[job_id]
         self.free = self.free + old.job.needs
-        grown = trace.queued(self.done_before.get(job_id, 0.0), size)
+        grown = trace.queued(self.done_before.get(job_id, 0.0), size,
+                             self.served.get(job_id, 0.0))
         self.running[job_id] = RunningJob(grown, old.started_s, old.checkpoint_s, old.resumed)
         self.free = self.free - grown.needs
         overhead = self.overhead.get(job_id, 0.0)

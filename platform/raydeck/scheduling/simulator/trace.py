@@ -56,6 +56,9 @@ class TraceJob:
     workers: int = 1
     min_workers: int | None = None  # None: ``workers``, a fixed gang
     scaling: float = 1.0
+    # Service it had before the replay (not a trace column): a job the queue preempted, whose
+    # start the queue predicts by a replay (raydeck.scheduling.queue.listing.predicted_starts).
+    attained_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("submit_s", "duration_s"):
@@ -64,6 +67,9 @@ class TraceJob:
                 raise ConfigError(f"job {self.id}: {name}={value} must be a number >= 0")
         if self.priority < 0:
             raise ConfigError(f"job {self.id}: priority={self.priority} must be >= 0")
+        if not (math.isfinite(self.attained_s) and self.attained_s >= 0):
+            raise ConfigError(f"job {self.id}: attained_s={self.attained_s} must be a number "
+                              ">= 0")
         for name in ("estimate_s", "checkpoint_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -83,15 +89,17 @@ class TraceJob:
         return resizing.Elasticity(self.workers, self.workers if self.min_workers is None
                                    else self.min_workers, self.scaling)
 
-    def queued(self, done_s: float = 0.0, workers: int | None = None) -> QueuedJob:
+    def queued(self, done_s: float = 0.0, workers: int | None = None,
+               served_s: float = 0.0) -> QueuedJob:
         """As the queue sees it, ``done_s`` of its work already done (before a preemption), at
         ``workers`` (default: its minimum, as an elastic job is admitted): the needs and the
-        time left at that size."""
+        time left at that size; ``served_s``: the service its pieces in the replay had."""
         size = self.elasticity.min_workers if workers is None else workers
         estimate = self.estimate_s if self.estimate_s is not None else self.duration_s
         return QueuedJob(self.id, self.team, self.priority,
                          self.elasticity.needs_at(self.needs, size), self.submit_s,
-                         max(estimate - done_s, 1e-9) / self.elasticity.speed(size))
+                         max(estimate - done_s, 1e-9) / self.elasticity.speed(size),
+                         attained_s=self.attained_s + served_s)
 
 
 def read_trace(path: Path) -> list[TraceJob]:

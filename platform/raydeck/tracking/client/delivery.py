@@ -129,6 +129,11 @@ class Delivery:
     def binding(self) -> RunBinding | None:
         return self._binding
 
+    @property
+    def client_id(self) -> str:
+        """This tracker's id at the proxy: its batches' sender, one attempt of its run."""
+        return self._request.client_id
+
     def learned_run_id(self, run_id: str) -> None:
         """Remember MLflow's id of the run once the shard created it."""
         if self._binding is not None and not self._binding.run_id:

@@ -7,7 +7,10 @@ implements :class:`PreemptionQueue` as a named actor, and the tracker
 (:func:`raydeck.train.trainer.end_if_preempted`) consume the answer; none of them imports the queue.
 
 Owns: ``RAYDECK_QUEUE_JOB`` (the queue's id of the job, set in the job's runtime env when the
-queue starts it), ``RAYDECK_QUEUE_WORKERS`` (for an elastic job, the most workers the queue
+queue starts it), ``RAYDECK_QUEUE_TOKEN`` (the token of this attempt, set beside it: every call
+to the queue carries it, and the queue answers only its current attempt; an earlier attempt still
+running is told to stop at its checkpoints, and its stop or completion is refused),
+``RAYDECK_QUEUE_WORKERS`` (for an elastic job, the most workers the queue
 allows it in this attempt: :func:`queue_workers`), the queue actor's name,
 :func:`checkpoint_committed` (every rank calls it after a committed checkpoint; rank 0 tells the
 queue and every rank gets rank 0's answer, so all ranks stop at the same epoch),
@@ -34,6 +37,7 @@ from raydeck._internal.contract import (
     KV_NAMESPACE,
     QUEUE_ACTOR_NAME,
     QUEUE_JOB_ENV,
+    QUEUE_TOKEN_ENV,
     QUEUE_WORKERS_ENV,
 )
 from raydeck.config.settings import load_settings
@@ -48,17 +52,19 @@ STOPPED_KEY_PREFIX = "preempted:"
 
 
 class PreemptionQueue(Protocol):
-    """What the queue's actor answers a job (each as ``(ok, value)``, through Ray)."""
+    """What the queue's actor answers a job (each as ``(ok, value)``, through Ray); ``token``:
+    the calling attempt's (``RAYDECK_QUEUE_TOKEN``). A token that is not the current attempt's
+    is told to stop (``checkpointed``) or refused (the others: ``(False, message)``)."""
 
-    def checkpointed(self, job_id: str) -> tuple[bool, bool]:
+    def checkpointed(self, job_id: str, token: str) -> tuple[bool, bool]:
         """A checkpoint of ``job_id`` committed: whether it should stop now."""
         ...
 
-    def preempted(self, job_id: str) -> tuple[bool, int | None]:
+    def preempted(self, job_id: str, token: str) -> tuple[bool, int | None]:
         """Which preemption of ``job_id`` stopped it, None when it was not told to stop."""
         ...
 
-    def completed(self, job_id: str) -> tuple[bool, None]:
+    def completed(self, job_id: str, token: str) -> tuple[bool, None]:
         """``job_id`` trained to its end: it was not stopped, whatever it was told."""
         ...
 
@@ -94,8 +100,8 @@ def _ask(method: str, job_id: str) -> Any:
 
 
 def _call(method: str, job_id: str) -> tuple[bool, Any]:
-    """Call the queue actor: ``(True, its answer)``, or ``(False, None)`` when it cannot be
-    reached in ``QUEUE_CALL_TIMEOUT_S`` or refuses."""
+    """Call the queue actor with this attempt's token: ``(True, its answer)``, or
+    ``(False, None)`` when it cannot be reached in ``QUEUE_CALL_TIMEOUT_S`` or refuses."""
     global _handle
     # Deferred for start-up time: the queue's side imports this module's constants, and Ray
     # only matters to a queued job, which has imported it already.
@@ -104,13 +110,21 @@ def _call(method: str, job_id: str) -> tuple[bool, Any]:
     try:
         if _handle is None:
             _handle = ray.get_actor(QUEUE_ACTOR_NAME, namespace=load_settings().ray_namespace)
-        ok, value = ray.get(getattr(_handle, method).remote(job_id),
+        ok, value = ray.get(getattr(_handle, method).remote(job_id, _token()),
                             timeout=QUEUE_CALL_TIMEOUT_S)
     except Exception as exc:
         _handle = None
         logger.warning("the job queue did not answer %s (%s); training goes on", method, exc)
         return False, None
-    return (True, value) if ok else (False, None)
+    if not ok:
+        logger.warning("the job queue refused %s: %s", method, value)
+        return False, None
+    return True, value
+
+
+def _token() -> str:
+    """This attempt's token ("" for a job started by a queue that issued none)."""
+    return os.environ.get(QUEUE_TOKEN_ENV, "")
 
 
 def checkpoint_committed(rank: int) -> bool:

@@ -3,9 +3,9 @@
 
 Owns: :class:`ResumeHelpers`: ``run_config`` (binds Ray Train workers to the run), ``latest``
 and ``last_steps`` (what the proxy holds of the run), ``skip_logged_steps`` (a job restarted
-from an older checkpoint drops the repeats) and ``should_preempt`` (the job queue's answer, read
-from the training runtime's signal, :mod:`raydeck.tracking.client.preemption`; the tracker never
-asks the queue).
+from an older checkpoint drops the repeats, and has the proxy drop them too, whatever the
+timing) and ``should_preempt`` (the job queue's answer, read from the training runtime's signal,
+:mod:`raydeck.tracking.client.preemption`; the tracker never asks the queue).
 """
 
 from __future__ import annotations
@@ -68,10 +68,16 @@ class ResumeHelpers:
         Waits up to ``timeout_s`` for the proxy to write what it holds of this run first; if
         MLflow stays down that long, answers from what the proxy has received.
         """
+        return self._held_steps(keys, timeout_s, resumed_by=None)
+
+    def _held_steps(self, keys: Iterable[str], timeout_s: float, resumed_by: str | None
+                    ) -> dict[str, int]:
+        """:meth:`last_steps`; ``resumed_by`` (this tracker's client id) also fences the keys
+        at the shard (:mod:`raydeck.tracking.proxy.step_fences`)."""
         self.flush(timeout_s)
         finals = {self._policy.metric_key(key): key for key in keys}
         highest = ray.get(self._open_delivery.shard().last_steps.remote(
-            self.run_key, sorted(finals), timeout_s), timeout=timeout_s + 30)
+            self.run_key, sorted(finals), timeout_s, resumed_by), timeout=timeout_s + 30)
         return {finals[final]: int(step) for final, step in highest.items()}
 
     def skip_logged_steps(self, keys: Iterable[str], timeout_s: float = 60.0) -> None:
@@ -80,11 +86,14 @@ class ResumeHelpers:
         For a job restarted from a checkpoint older than what it had logged: a worker can die
         after logging an epoch but before Ray Train registered that epoch's checkpoint, and the
         restarted job trains the epoch again. The run keeps the first values; the repeats are
-        dropped here, on the caller's side. Never raises: if the proxy cannot answer, nothing
-        is skipped (and a warning says so).
+        dropped here, on the caller's side, and by the proxy, whatever the timing: a batch the
+        dead attempt sent just before it died can reach the proxy after this answer, and then
+        each step of ``keys`` keeps one attempt's values, whichever arrived first. Values this
+        tracker logs twice at one step are both kept, as MLflow does. Never raises: if the
+        proxy cannot answer, nothing is skipped (and a warning says so).
         """
         try:
-            steps = self.last_steps(keys, timeout_s)
+            steps = self._held_steps(keys, timeout_s, self._open_delivery.client_id)
         except (TrackingUnavailableError, ray.exceptions.RayError) as exc:
             logger.warning("run %s: cannot ask which steps it holds (%s); steps trained again "
                            "may appear twice", self.run_key, type(exc).__name__)

@@ -4,8 +4,9 @@ This module is the shard's core (:class:`ShardCore`: accepting, answering, plann
 accounting for the writers' steps); beside it: :mod:`~raydeck.tracking.proxy.run_queue` (per-run
 queues), :mod:`~raydeck.tracking.proxy.run_writes` (each step's MLflow calls),
 :mod:`~raydeck.tracking.proxy.cross_rank`, :mod:`~raydeck.tracking.proxy.log_upload` (console logs),
-:mod:`~raydeck.tracking.proxy.dead_letters`, :mod:`~raydeck.tracking.proxy.shard_writers` (the
-writer threads: taking runs in turn, each step and its accounting) and
+:mod:`~raydeck.tracking.proxy.dead_letters`, :mod:`~raydeck.tracking.proxy.step_fences` (a
+resumed attempt's repeats), :mod:`~raydeck.tracking.proxy.shard_writers` (the writer threads:
+taking runs in turn, each step and its accounting) and
 :mod:`~raydeck.tracking.proxy.shard_actor` (the Ray actor).
 
 Owns: acknowledging a batch only once it is in the spool; per-run queues drained fairly by a
@@ -14,8 +15,9 @@ run's data); creating, reopening and ending runs in order with their data (so a 
 attach and log while MLflow is down); retrying transient failures with backoff, as long as it
 takes; setting permanent refusals aside as dead letters, recorded on the run when it ends; each
 run's console logs, uploaded in parts that hold only what is new; the cross-rank views of
-``all_ranks`` mode; answering "has this run's data landed?". Does not own: run membership (the
-router) or validation (the tracker).
+``all_ranks`` mode; answering "has this run's data landed?" and "which steps does it hold?",
+and keeping one attempt's values per step of the keys a resumed attempt named. Does not own:
+run membership (the router) or validation (the tracker).
 
 Life of one entity: ``ingest`` -> spool (durable; the batch is acknowledged) -> a writer takes it
 when its run's turn comes -> MLflow -> removed from the spool (or set aside as a dead letter).
@@ -32,10 +34,12 @@ time, in order; so are its files.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import os
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +75,7 @@ from raydeck.tracking.proxy.spool import (
     NewEntity,
     Spool,
 )
+from raydeck.tracking.proxy.step_fences import StepFences
 from raydeck.tracking.proxy.writer import (
     MlflowWriter,
     PermanentWriteError,
@@ -80,6 +85,9 @@ from raydeck.tracking.proxy.writer import (
 logger = logging.getLogger(__name__)
 
 CHUNK_MAX_BYTES = 8 * 1024 * 1024
+# How long setting a run's fences waits for batches of the run already past their fence check
+# to be spooled: a spool commit, milliseconds, at most the spool's busy timeout.
+SETTLE_TIMEOUT_S = 30.0
 
 
 class WriterState(enum.Enum):
@@ -113,6 +121,11 @@ class ShardCore(ShardWriters):
         # Per run and metric key, the highest step received: what a restarted job must not log
         # again. Not ``_latest``: a resumed job re-logs its checkpoint's older steps first.
         self._highest_steps: dict[str, dict[str, int]] = {}
+        # Resumed keys: one attempt's values per step (step_fences). ``_admitted``: per ticket,
+        # the run of a batch past its fence check whose steps are not in _highest_steps yet.
+        self._fences = StepFences()
+        self._admitted: dict[int, str] = {}
+        self._tickets = itertools.count()
         self._cross_rank = CrossRank()
         self._stopping = False
         self._recovered = 0
@@ -154,7 +167,8 @@ class ShardCore(ShardWriters):
 
     # --- accepting (many threads) -------------------------------------------------------------
     def ingest(self, batch: Batch) -> IngestResult:
-        """Accept a batch: spooled before this returns. A re-delivery is acknowledged, dropped.
+        """Accept a batch: spooled before this returns. A re-delivery is acknowledged, dropped;
+        so are the points its run's fences hold from another attempt (:meth:`_admit`).
 
         Raises:
             TrackingSpoolFullError: no room on the spool's disk (the tracker keeps the batch).
@@ -163,12 +177,23 @@ class ShardCore(ShardWriters):
                         if self.spool.upload_size(ref.upload_id) != ref.size)
         if missing:
             return IngestResult(False, missing)
-        entities = batch_entities(batch)
-        if batch.rank_of is not None and batch.points:
-            derived = self._cross_rank.feed(batch.run_key, batch.points, *batch.rank_of)
-            if derived:
-                entities.append(NewEntity(batch.run_key, KIND_METRICS, len(derived), derived))
-        accepted = self.spool.accept(batch.client_id, batch.seq, entities)
+        ticket = None
+        if batch.points:
+            batch, ticket = self._admit(batch)
+        accepted = None
+        try:
+            entities = batch_entities(batch)
+            if batch.rank_of is not None and batch.points:
+                derived = self._cross_rank.feed(batch.run_key, batch.points, *batch.rank_of)
+                if derived:
+                    entities.append(NewEntity(batch.run_key, KIND_METRICS, len(derived),
+                                              derived))
+            accepted = self.spool.accept(batch.client_id, batch.seq, entities)
+        finally:
+            if ticket is not None and accepted is None:  # a re-delivery, or refused
+                with self._cv:
+                    del self._admitted[ticket]
+                    self._cv.notify_all()
         if accepted is None:
             return IngestResult(True)
         latest = self._latest.setdefault(batch.run_key, {})
@@ -177,14 +202,27 @@ class ShardCore(ShardWriters):
             latest[key] = (value, step)
             if step > batch_highest.get(key, -1):
                 batch_highest[key] = step
-        if batch_highest:
-            with self._cv:  # batches of one run may arrive on several threads at once
-                highest = self._highest_steps.setdefault(batch.run_key, {})
-                for key, step in batch_highest.items():
-                    highest[key] = max(step, highest.get(key, -1))
-        self._enqueued(accepted)
+        self._enqueued(accepted, ticket, batch_highest)
         self.metrics.count_received(batch.size())
         return IngestResult(True)
+
+    def _admit(self, batch: Batch) -> tuple[Batch, int]:
+        """The batch without the points its run's fences drop (step_fences), and its ticket:
+        it counts as on its way until its steps are in ``_highest_steps``, so that a fence being
+        set waits for it (:meth:`_set_fences`)."""
+        run_key = batch.run_key
+        with self._cv:
+            kept = (self._fences.admit(run_key, batch.client_id, batch.points)
+                    if run_key in self._fences else None)
+            ticket = next(self._tickets)
+            self._admitted[ticket] = run_key
+        if kept is None:
+            return batch, ticket
+        dropped = len(batch.points) - len(kept)
+        logger.info("shard %d: run %s: dropped %d value(s) of client %s at steps an earlier "
+                    "attempt logged (a resumed job's repeats)", self.config.index, run_key,
+                    dropped, batch.client_id[:8])
+        return replace(batch, points=kept), ticket
 
     def control(self, run_key: str, kind: str, payload: Any) -> None:
         """Queue a run update from the router: ``open`` (an :class:`OpenRun`), ``tags``, ``end``.
@@ -200,9 +238,18 @@ class ShardCore(ShardWriters):
         """Store part of an artifact file; returns the bytes held so far (see Spool)."""
         return self.spool.append_chunk(upload_id, offset, data)
 
-    def _enqueued(self, accepted: list[Entity]) -> None:
+    def _enqueued(self, accepted: list[Entity], ticket: int | None = None,
+                  batch_highest: dict[str, int] | None = None) -> None:
+        """Count accepted entities in their runs' queues; ``ticket``: an admitted batch's, whose
+        highest steps per key (``batch_highest``) count as received from now on."""
         now = time.monotonic()
-        with self._cv:
+        with self._cv:  # batches of one run may arrive on several threads at once
+            if ticket is not None:
+                run_key = self._admitted.pop(ticket)
+                if batch_highest:
+                    highest = self._highest_steps.setdefault(run_key, {})
+                    for key, step in batch_highest.items():
+                        highest[key] = max(step, highest.get(key, -1))
             for entity in accepted:
                 run = self._run(entity.run_key)
                 run.counts[COUNTED[entity.kind]] += entity.n if entity.kind in BY_SIZE else 1
@@ -265,7 +312,8 @@ class ShardCore(ShardWriters):
         """Last value and step received per metric key of a run (for progress displays)."""
         return dict(self._latest.get(run_key, {}))
 
-    def last_steps(self, run_key: str, keys: list[str], timeout_s: float) -> dict[str, int]:
+    def last_steps(self, run_key: str, keys: list[str], timeout_s: float,
+                   resumed_by: str | None = None) -> dict[str, int]:
         """The highest step of each metric key a run holds, written or pending (-1: none).
 
         Waits up to ``timeout_s`` for the run's pending metric points to land so that MLflow's
@@ -274,8 +322,13 @@ class ShardCore(ShardWriters):
         job must not wait for MLflow; it re-logs its checkpoint's older steps before it asks).
         Only points are waited for: console text is uploaded every ``LOG_UPLOAD_INTERVAL_S``
         (30 s), and a restarted worker that waited for it sat in ``restore`` that long.
+
+        ``resumed_by``: the client id of an attempt that drops these steps because it resumes
+        the run; the answer then also fences ``keys`` (:mod:`~raydeck.tracking.proxy.step_fences`),
+        so that a batch of an earlier attempt still on its way cannot log a step twice.
         """
         deadline = time.monotonic() + timeout_s
+        earlier: list[int] = []
         with self._cv:
             while True:
                 run = self._runs.get(run_key)
@@ -288,19 +341,44 @@ class ShardCore(ShardWriters):
             backing_off = run is not None and run.attempts > 0
             received = self._highest_steps.get(run_key, {})
             highest = {key: received.get(key, -1) for key in keys}
+            if resumed_by is not None:
+                # From here on every batch of the run meets the fences; those admitted before
+                # are waited for at the end.
+                self._fences.open(run_key, keys)
+                earlier = [t for t, key in self._admitted.items() if key == run_key]
         for key, step in self.spool.max_steps(run_key, keys).items():
             highest[key] = max(highest[key], step)
         resolution = None if backing_off else self.resolve(run_key, 0)
-        if resolution is None:
-            return highest
-        try:
-            for key in keys:
-                for step in self.writer.history_steps(resolution.run_id, key):
-                    highest[key] = max(highest[key], step)
-        except (TransientWriteError, PermanentWriteError) as exc:
-            logger.warning("shard %d: cannot read the metric history of run %s: %s",
-                           self.config.index, run_key, exc)
+        if resolution is not None:
+            try:
+                for key in keys:
+                    for step in self.writer.history_steps(resolution.run_id, key):
+                        highest[key] = max(highest[key], step)
+            except (TransientWriteError, PermanentWriteError) as exc:
+                logger.warning("shard %d: cannot read the metric history of run %s: %s",
+                               self.config.index, run_key, exc)
+        if resumed_by is not None:
+            self._set_fences(run_key, highest, earlier)
         return highest
+
+    def _set_fences(self, run_key: str, highest: dict[str, int], earlier: list[int]) -> None:
+        """Fence ``highest``'s keys at the steps the run holds, raised to what this shard
+        received meanwhile, once the batches admitted before the fences opened (``earlier``
+        tickets) count in it: each point either counts in the answer or meets the fences."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        with self._cv:
+            while any(t in self._admitted for t in earlier):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    logger.warning("shard %d: run %s: a batch was still being spooled after "
+                                   "%.0f s; its steps may repeat in the resumed attempt",
+                                   self.config.index, run_key, SETTLE_TIMEOUT_S)
+                    break
+                self._cv.wait(min(0.5, left))
+            received = self._highest_steps.get(run_key, {})
+            for key, step in highest.items():
+                highest[key] = max(step, received.get(key, -1))
+            self._fences.close(run_key, highest)
 
     def stats(self) -> dict[str, Any]:
         with self._cv:
@@ -336,6 +414,7 @@ class ShardCore(ShardWriters):
             "spool_bytes": self.spool.size_bytes(),
             "replay_backlog": self._recovered,
             "dead_letters": sum(self.dead.counts.values()),
+            "repeats_dropped": self._fences.dropped,
             "write_errors": self.transient_errors,
             "last_error": self.last_error,
         }

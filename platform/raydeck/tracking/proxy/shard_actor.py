@@ -64,8 +64,9 @@ class Shard:
         return self.core.resolve(run_key, timeout_s)
 
     @ray.method(concurrency_group="wait")
-    def last_steps(self, run_key: str, keys: list[str], timeout_s: float) -> dict[str, int]:
-        return self.core.last_steps(run_key, keys, timeout_s)
+    def last_steps(self, run_key: str, keys: list[str], timeout_s: float,
+                   resumed_by: str | None = None) -> dict[str, int]:
+        return self.core.last_steps(run_key, keys, timeout_s, resumed_by)
 
     @ray.method(concurrency_group="io")
     def ping(self) -> bool:
