@@ -209,3 +209,25 @@ def test_a_checkpoint_at_clock_zero_counts_as_a_checkpoint(policy: str) -> None:
     recent = RunningJob(QueuedJob("recent", "a", 0, Resources(cpus=1), 0.0, HOUR), 0.0, 90.0)
     chosen = make_policy(policy)
     assert sorted([at_zero, recent], key=lambda v: chosen.victim_key(v, 100.0))[0] is recent
+
+
+def test_a_checkpoint_at_the_clock_reading_of_the_request_was_not_told_to_stop(
+        tmp_path: Path) -> None:
+    """Found by the model-based test: B checkpoints, and at the same clock reading the queue
+    asks it to stop for H. B was answered "go on", so when it then exits 0 it succeeded; it
+    was taken as told (checkpoint time >= request time) and run again."""
+    server, clock = FakeJobServer(), [0.0]
+    queue = _queue(tmp_path, server, clock)
+    queue.configure(Identity.here(), "priority")
+    queue.submit(_spec("B"))
+    assert queue.tick() == ["B"]
+    clock[0] += HOUR
+    queue.submit(_spec("H", priority=5))
+    assert queue.checkpointed("B", server.tokens["B"]) is False  # not asked yet
+    assert queue.tick() == []  # asked now, at the checkpoint's clock reading
+    assert _row(tmp_path, "B").state == "preempting"
+    server.exit("B", 0)  # it trained to its end without a checkpoint since
+    assert queue.tick() == ["H"]
+    row = _row(tmp_path, "B")
+    assert (row.state, row.preemptions) == ("succeeded", 0)
+    assert server.submitted == ["B", "H"]

@@ -38,11 +38,14 @@ class Failure:
 
     ``permanent``: trying the same job again fails the same way. ``reason``: one line for
     ``raydeck queue`` (redacted). ``http_status``: the job server's answer, if it gave one.
+    ``unanswered``: the request may have reached the job server and its answer not come back
+    (a read timeout, the queue's own bound): a submission may have landed.
     """
 
     permanent: bool
     reason: str
     http_status: int | None = None
+    unanswered: bool = False
 
 
 def classify(exc: BaseException) -> Failure:
@@ -53,7 +56,8 @@ def classify(exc: BaseException) -> Failure:
     if isinstance(exc, requests.RequestException):
         # Checked before ValueError: some of requests' errors (InvalidURL...) are ValueErrors
         # too, and they are the queue's configuration, not the job's fault.
-        return Failure(False, f"job server unreachable ({type(exc).__name__}: {line})")
+        return Failure(False, f"job server unreachable ({type(exc).__name__}: {line})",
+                       unanswered=isinstance(exc, requests.ReadTimeout))
     if isinstance(exc, (ValueError, TypeError, JobSubmissionError)):
         what = "runtime env" if not isinstance(exc, (ConfigError, JobSubmissionError)) else "job"
         return Failure(True, f"{what} refused on the head: {line}")
@@ -61,7 +65,9 @@ def classify(exc: BaseException) -> Failure:
     if status is not None:
         permanent = 400 <= status < 500 and status not in _RETRYABLE_4XX
         return Failure(permanent, f"job server answered {status}: {line}", status)
-    return Failure(False, f"{type(exc).__name__}: {line}")
+    # A TimeoutError: the queue's bound on a call (raydeck.scheduling.queue.launcher).
+    return Failure(False, f"{type(exc).__name__}: {line}",
+                   unanswered=isinstance(exc, TimeoutError))
 
 
 def http_status(exc: BaseException) -> int | None:

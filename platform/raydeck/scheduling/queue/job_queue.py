@@ -91,7 +91,7 @@ from raydeck.scheduling.queue.reconcile import running as _running
 from raydeck.scheduling.queue.reconcile import told as _told
 from raydeck.scheduling.queue.serve_apps import NoServe, ServeApp, ServeApps
 from raydeck.scheduling.queue.store import ACTIVE, ENDED, JobRow, Store, queued_row
-from raydeck.scheduling.queue.submission import Submitter
+from raydeck.scheduling.queue.submission import Outcome, Submitter
 from raydeck.scheduling.queue.witness import RunFinished
 
 logger = logging.getLogger(__name__)
@@ -275,9 +275,14 @@ class JobQueue:
                                row.submission_id)
                 return True
             if row.state not in ACTIVE:
-                return False
-            self._store.update(job_id, checkpoint_at=self._clock())
-            return row.state == "preempting"
+                # An attempt of a job that ended (cancelled while its submission landed) stops;
+                # one of a queued job whose lost submission landed goes on (the next tick
+                # adopts it as started).
+                return row.state in ENDED
+            now = self._clock()
+            stop = row.state == "preempting"
+            self._store.update(job_id, checkpoint_at=now, **({"told_at": now} if stop else {}))
+            return stop
 
     def preempted(self, job_id: str, token: str) -> int | None:
         """Which of ``job_id``'s stops for the queue (preemptions and elastic resizes) this is
@@ -360,8 +365,8 @@ class JobQueue:
         current = self._store.get(row.id)
         if current is None or current.state != "queued" or current.attempt != row.attempt:
             return
-        self._store.update(row.id, state="starting", started_at=now, submit_failures=0,
-                           retry_at=None, reason="")
+        self._store.update(row.id, state="starting", started_at=now, accepted_at=now,
+                           submit_failures=0, retry_at=None, reason="")
         logger.info("job %s: its submission reached the job server after all", row.id)
 
     def _reconcile(self, row: JobRow, state: JobState | None, finished: str, tail: str,
@@ -380,6 +385,7 @@ class JobQueue:
                 # Not asked again before its next checkpoint (it may not be a victim either
                 # until then: it would not stop sooner).
                 self._store.update(row.id, state="running", resize_to=0, preempt_at=None,
+                                   told_at=None,
                                    checkpoint_at=None, reason=decided.why)
             elif decided.action == "requeue":
                 self._requeue(current, now, decided.why, decided.preempted)
@@ -412,7 +418,11 @@ class JobQueue:
         the queue and of the cluster's resources per tick; each submission outside the lock."""
         # A job waiting out a transient submission failure is not a candidate until its time.
         queued_rows = self._store.jobs("queued")
-        queued = [_queued(r) for r in queued_rows if r.retry_at is None or r.retry_at <= now]
+        # A submission that timed out and is still under way may land: its job holds its room
+        # and is not submitted again until it returned (then the next read adopts it if it did).
+        landing = self._launcher.submitting()
+        queued = [_queued(r) for r in queued_rows if (r.retry_at is None or r.retry_at <= now)
+                  and r.submission_id not in landing]
         active = self._store.jobs(*ACTIVE)
         apps = self._serve.read()
         if not queued and not any(r.workers < r.max_workers for r in active) \
@@ -424,7 +434,8 @@ class JobQueue:
         preempted_for = rules.held_back({r.id: r.preempted_for for r in [*queued_rows, *active]},
                                         {r.id for r in queued_rows})
         running = [_running(r, now) for r in active]
-        free, total = self._free(active, apps)
+        free, total = self._free([*active, *(r for r in queued_rows if r.submission_id in landing)],
+                                 apps)
         claiming = reconcile.claiming(active, queued, now, self._launcher.placed)
         started: list[str] = []
         unstarted: set[str] = set()  # refused, or retried at a later tick
@@ -452,12 +463,19 @@ class JobQueue:
                     self._store.update(job.id, state="starting", started_at=now,
                                        preempted_for="", **chosen.sized(sizes.get(job.id)))
                     chosen = self._job(job.id)
-                if not self._submitter.start(chosen, now):
+                outcome = self._submitter.start(chosen, now)
+                if outcome is Outcome.NOT_STARTED:
                     # What it would have held is still free: the policy decides again without
                     # it, so the jobs behind a bad one start in this same tick.
                     unstarted.add(job.id)
                     deciding = True
                     break
+                if outcome is Outcome.UNKNOWN:
+                    # It may have reached the job server: its room stays taken in this tick
+                    # (the next tick's read adopts it if it did), the jobs behind it fit around.
+                    unstarted.add(job.id)
+                    free = free.after(job) or free
+                    continue
                 self._observer.started(chosen, now)
                 started.append(job.id)
                 running.append(RunningJob(job, now))
@@ -504,7 +522,8 @@ class JobQueue:
         self._store.update(row.id, state="queued", attempt=row.attempt + 1,
                            preemptions=row.preemptions + int(preempted), started_at=None,
                            preempt_at=None, checkpoint_at=None, completed_at=None, resize_to=0,
-                           stopped_at=None, reason=f"{why}; resumes from its checkpoint",
+                           stopped_at=None, accepted_at=None, told_at=None,
+                           reason=f"{why}; resumes from its checkpoint",
                            attained_s=reconcile.attained(row, now), **row.sized())
         self._policy.ended(_running(row, now), now)
         logger.info("job %s is back in the queue: %s", row.id, why)
@@ -516,6 +535,7 @@ class JobQueue:
         self._store.update(row.id, state="starting", attempt=row.attempt + 1,
                            resizes=row.resizes + 1, started_at=now, preempt_at=None,
                            checkpoint_at=None, completed_at=None, resize_to=0, stopped_at=None,
+                           accepted_at=None, told_at=None,
                            reason=why, attained_s=reconcile.attained(row, now),
                            **row.sized(row.resize_to))
         self._policy.ended(_running(row, now), now)

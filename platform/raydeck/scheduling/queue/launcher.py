@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import abc
 import contextvars
+import threading
 from collections.abc import Callable, Collection
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
@@ -69,6 +70,12 @@ class Launcher(abc.ABC):
         """Stop a running job; raises as ``submit`` does (an HTTP 404: the job server never
         got it)."""
 
+    def submitting(self) -> frozenset[str]:
+        """Submission ids whose submission timed out and is still under way (it may land):
+        none for a launcher whose calls return before the queue goes on (only a bounded one's
+        outlive their bound: :class:`TimedLauncher`)."""
+        return frozenset()
+
     @abc.abstractmethod
     def resources(self) -> tuple[tuple[Resources, ...], tuple[Resources, ...]]:
         """``(free now, total)`` of each node of the cluster (aligned)."""
@@ -110,30 +117,41 @@ class TimedLauncher(Launcher):
 
     A call that does not answer in time raises :class:`LauncherTimeout`; its thread is left to
     finish on its own (at most ``_LAUNCHER_THREADS`` of them: later calls wait their turn within
-    their own bound). A submission that timed out may still reach the job server: the queue
-    treats it as a transient failure and its next try under the same submission id counts as
-    started (the job server refuses the duplicate).
+    their own bound). A submission that timed out may still reach the job server: until its
+    call returns it is :meth:`submitting` (the queue keeps its room and does not submit it
+    again), and after, the queue's next read of the job server takes it as started if it
+    landed.
     """
 
     def __init__(self, launcher: Launcher, timeout_s: float = LAUNCHER_TIMEOUT_S) -> None:
         self._launcher = launcher
         self._timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(_LAUNCHER_THREADS, thread_name_prefix="raydeck-launcher")
+        self._submissions: dict[str, Future[None]] = {}
+        self._submissions_lock = threading.Lock()
 
-    def _bounded(self, what: str, call: Callable[[], _T]) -> _T:
+    def _bounded(self, what: str, call: Callable[[], _T], track: str = "") -> _T:
         # In the caller's context: a caller's checked job server serves its call only
         # (raydeck.scheduling.queue.job_server.QueueServer.hinted).
         future = self._pool.submit(contextvars.copy_context().run, call)
         try:
             return future.result(timeout=self._timeout_s)
         except FutureTimeout:
-            future.cancel()
+            if not future.cancel() and track:
+                with self._submissions_lock:  # it runs on: it may still land
+                    self._submissions[track] = future  # type: ignore[assignment]
             raise LauncherTimeout(f"the job server did not answer {what} within "
                                   f"{self._timeout_s:g} s") from None
 
     def submit(self, row: JobRow, package: bytes | None) -> None:
         self._bounded(f"submitting {row.submission_id}",
-                      lambda: self._launcher.submit(row, package))
+                      lambda: self._launcher.submit(row, package), track=row.submission_id)
+
+    def submitting(self) -> frozenset[str]:
+        with self._submissions_lock:
+            for sid in [sid for sid, future in self._submissions.items() if future.done()]:
+                del self._submissions[sid]
+            return frozenset(self._submissions)
 
     def statuses(self, submission_ids: Collection[str]) -> dict[str, JobState]:
         return self._bounded(f"the status of {len(submission_ids)} job(s)",

@@ -65,8 +65,8 @@ def verdict(row: JobRow, state: JobState | None, now: float, finished: str = "")
             # done, and running it again would run it twice.
             return Verdict("end", f"succeeded while the job server was away: {finished}",
                            state="succeeded")
-        if row.state == "starting":
-            return Verdict("resubmit")
+        if row.state == "starting" and row.accepted_at is None:
+            return Verdict("resubmit")  # recorded, then the queue stopped before submitting
         # The job server forgot a job it ran: the head restarted (Ray keeps its jobs in the
         # head's GCS) and the job died with it.
         return Verdict("requeue", "lost when the cluster's head restarted")
@@ -106,10 +106,11 @@ def stopped_for_queue(row: JobRow, state: JobState) -> bool:
 
 
 def told(row: JobRow) -> bool:
-    """Whether ``row`` was told to stop: asked (``preempting``), then it committed a
-    checkpoint, where the queue's answer was recorded before the job got it."""
-    return (row.state == "preempting" and row.preempt_at is not None
-            and row.checkpoint_at is not None and row.checkpoint_at >= row.preempt_at)
+    """Whether ``row`` was told to stop: asked (``preempting``), then a checkpoint call of its
+    current attempt was answered "stop", recorded before the answer left the queue. (Not read
+    from the checkpoint's and the request's times: a checkpoint at the very clock reading of
+    the request came before it and was answered "go on".)"""
+    return row.state == "preempting" and row.told_at is not None
 
 
 def refused(row: JobRow) -> bool:

@@ -106,6 +106,13 @@ class JobRow(_Base):
     # When the queue itself stopped the current attempt (a victim past its grace period): a
     # STOPPED attempt was preempted only then, never when someone else stopped it.
     stopped_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # When the job server accepted the current attempt's submission (None: not yet, or its
+    # answer was lost): a ``starting`` attempt it accepted and then forgot (its head restarted)
+    # is run again as a new attempt, never submitted again under the same id.
+    accepted_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # When a checkpoint call of the current attempt was answered "stop" (recorded before the
+    # answer leaves the queue): the attempt was told, not only asked.
+    told_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     # The current attempt's token (:func:`new_token`): the job gets it in its runtime env
     # (RAYDECK_QUEUE_TOKEN) and sends it with its checkpoints, its stop and its completion, so
     # no other process, nor an earlier attempt, reports them (raydeck.scheduling.queue.access).

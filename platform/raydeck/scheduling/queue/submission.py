@@ -12,6 +12,7 @@ refused as a duplicate next time and counts as started) to be tried again after 
 
 from __future__ import annotations
 
+import enum
 import logging
 import threading
 import time
@@ -26,6 +27,18 @@ logger = logging.getLogger(__name__)
 
 # How many attempts of one id a new submission looks past (earlier lives of a reused id).
 _ATTEMPTS_LOOKED_UP = 64
+
+
+class Outcome(enum.Enum):
+    """What came of a submission. ``STARTED``: the job server accepted it. ``NOT_STARTED``: it
+    did not (refused, unreachable, busy, or cancelled meanwhile): its room is free.
+    ``UNKNOWN``: its answer never came (a timeout), so it may have reached the job server: its
+    room stays taken in this tick, and the next tick's read of the job server takes it as
+    started if it did (:mod:`raydeck.scheduling.queue.attempts`)."""
+
+    STARTED = "started"
+    NOT_STARTED = "not started"
+    UNKNOWN = "unknown"
 
 
 @dataclass(frozen=True)
@@ -66,21 +79,24 @@ class Submitter:
         raise ConfigError(f"job {job_id}: the job server has {_ATTEMPTS_LOOKED_UP} earlier "
                           "jobs under this id; queue it under another id")
 
-    def start(self, row: JobRow, now: float) -> bool:
-        """Submit ``row`` (recorded ``starting``); whether it started. A job cancelled while
-        it was being submitted is stopped again and counts as not started."""
+    def start(self, row: JobRow, now: float) -> Outcome:
+        """Submit ``row`` (recorded ``starting``) and record what came of it (see
+        :class:`Outcome`). A job cancelled while it was being submitted is stopped again and
+        counts as not started (its room is free again)."""
         try:
             self.launcher.submit(row, self.store.package(row.package_uri)
                                  if row.package_uri else None)
         except Exception as exc:
+            failure = classify(exc)
             with self.lock:
                 if self._still_starting(row):
-                    self._failed(row, classify(exc), now)
-            return False
+                    self._failed(row, failure, now)
+            return Outcome.UNKNOWN if failure.unanswered else Outcome.NOT_STARTED
         with self.lock:
             kept = self._still_starting(row)
-            if kept and (row.submit_failures or row.retry_at is not None):
-                self.store.update(row.id, submit_failures=0, retry_at=None, reason="")
+            if kept:
+                self.store.update(row.id, accepted_at=now, submit_failures=0, retry_at=None,
+                                  **({"reason": ""} if row.submit_failures else {}))
         if not kept:
             logger.warning("job %s was cancelled while it was submitted; stopping it", row.id)
             try:
@@ -88,7 +104,7 @@ class Submitter:
             except Exception as exc:
                 logger.error("cannot stop cancelled job %s: %s; `ray job stop %s`", row.id,
                              classify(exc).reason, row.submission_id)
-        return kept
+        return Outcome.STARTED if kept else Outcome.NOT_STARTED
 
     def _still_starting(self, row: JobRow) -> bool:
         current = self.store.get(row.id)
