@@ -77,7 +77,7 @@ POLICIES = ("fifo", "priority", "las", "gittins", "fairshare")
 ATTAINED_SERVICE = ("las", "gittins")  # the policies raydeck queue shows the service of
 # The queue gives up on a job-server call after this long: what a hang costs, in real time
 # (long enough that a call that does not hang never times out on a loaded machine).
-CALL_BOUND_S = 0.25
+CALL_BOUND_S = 1.0
 MAX_HANGS = 2
 # How an attempt ends: its driver's exit code, a user's ``ray job stop``, or training done.
 ENDS: tuple[int | str, ...] = (0, 1, 2, PREEMPTED_EXIT_CODE, 137, "stop", "completed")
