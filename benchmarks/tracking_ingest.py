@@ -7,11 +7,15 @@ started here:
   (b) ``MlflowClient.log_batch`` with 1,000 metrics per call from one client;
   (c) the same from N concurrent client processes: the server's real ceiling;
   (d) raydeck end to end: 2 and 4 Ray workers logging to one run as fast as they can, timed
-      until every point is in MLflow (``finish()`` returned).
+      until every point is in MLflow (``finish()`` returned), through the server;
+  (f) ``log_batch`` x1000 from one client through MLflow's own SQL store (no server);
+  (g) the same as (d) on the direct path: the shards write the server's database through
+      MLflow's SQL store (``RAYDECK_TRACKING_WRITE_DB``), the server keeps reads and files.
 And once: (e) the caller-side cost of one ``log_metrics`` call with one value, against one
 fire-and-forget Ray actor call. Prints a table and every ratio.
 
-Run: ``.venv/bin/python benchmarks/tracking_ingest.py [--backend sqlite|postgres|both]``.
+Run: ``.venv/bin/python benchmarks/tracking_ingest.py [--backend sqlite|postgres|both]
+[--points-per-worker N] [--skip-call-costs]``.
 PostgreSQL needs Debian's ``postgresql`` package (README's first command installs it).
 """
 
@@ -152,10 +156,12 @@ def call_costs(settings: Any) -> tuple[float, float]:
     return log_us, actor_us
 
 
-def bench_backend(name: str, server: MlflowServer, root: Path, points: int
+def bench_backend(name: str, server: MlflowServer, root: Path, points: int, db_uri: str
                   ) -> list[tuple[str, str, str]]:
+    """Rows (a)-(g) for one backend; ``db_uri``: the server's database, password included."""
     from mlflow.tracking import MlflowClient
 
+    from raydeck.config.secrets import Secret
     from raydeck.config.settings import load_settings
     from raydeck.tracking.proxy.actors import stop_proxy
 
@@ -171,6 +177,14 @@ def bench_backend(name: str, server: MlflowServer, root: Path, points: int
     raydeck_end_to_end(settings, 1, 1000)  # warm-up: the proxy's actors start once
     results = {w: raydeck_end_to_end(settings, w, points) for w in (2, 4)}
     stop_proxy(settings.ray_namespace, 60)
+    direct_single = log_batch_rate(db_uri, run_id, 1)
+    direct = dataclasses.replace(
+        settings, ray_namespace=f"raydeck-bench-{uuid.uuid4().hex[:6]}",
+        data_dir=root / "data-direct",
+        tracking=dataclasses.replace(settings.tracking, write_db=Secret(db_uri)))
+    raydeck_end_to_end(direct, 1, 1000)
+    direct_results = {w: raydeck_end_to_end(direct, w, points) for w in (2, 4)}
+    stop_proxy(direct.ray_namespace, 60)
     rows = [
         (f"[{name}] (a) REST POST per point", f"{rest:,.0f} points/s", ""),
         (f"[{name}] (b) log_batch x1000, 1 client", f"{single:,.0f} points/s",
@@ -182,13 +196,29 @@ def bench_backend(name: str, server: MlflowServer, root: Path, points: int
         rows.append((f"[{name}] (d) raydeck, {workers} Ray workers", f"{rate:,.0f} points/s",
                      f"{rate / ceiling:.2f}x (c), {rate / single:.2f}x (b), "
                      f"{rate / rest:.0f}x (a); {worker_us:.1f} us/call in workers"))
+    rows.append((f"[{name}] (f) log_batch x1000, 1 client, MLflow's SQL store",
+                 f"{direct_single:,.0f} points/s", f"{direct_single / single:.2f}x (b)"))
+    for workers, (rate, worker_us) in direct_results.items():
+        rows.append((f"[{name}] (g) raydeck direct, {workers} Ray workers",
+                     f"{rate:,.0f} points/s",
+                     f"{rate / ceiling:.2f}x (c), {rate / results[workers][0]:.2f}x (d); "
+                     f"{worker_us:.1f} us/call in workers"))
     return rows
+
+
+def postgres_uri(postgres: PostgresServer) -> str:
+    """The database's URI with its password (the direct path's ``write_db``)."""
+    from raydeck.stack.services import LOOPBACK, POSTGRES_DB, POSTGRES_USER
+
+    return (f"postgresql://{POSTGRES_USER}:{postgres.password.reveal()}@{LOOPBACK}:"
+            f"{postgres.port}/{POSTGRES_DB}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--points-per-worker", type=int, default=25_000)
     parser.add_argument("--backend", choices=("sqlite", "postgres", "both"), default="both")
+    parser.add_argument("--skip-call-costs", action="store_true", help="leave out (e)")
     args = parser.parse_args()
 
     import logging
@@ -213,7 +243,7 @@ def main() -> None:
                 server = MlflowServer(root / "mlflow-sqlite").start()
                 try:
                     rows += bench_backend("sqlite, 1 worker", server, root / "sqlite",
-                                          args.points_per_worker)
+                                          args.points_per_worker, server.backend_store_uri)
                 finally:
                     server.stop()
             if args.backend in ("postgres", "both"):
@@ -222,27 +252,29 @@ def main() -> None:
                                       workers=4, env=postgres.env).start()
                 try:
                     rows += bench_backend("postgres, 4 workers", server, root / "pg",
-                                          args.points_per_worker)
+                                          args.points_per_worker, postgres_uri(postgres))
                 finally:
                     server.stop()
-            cost_server = MlflowServer(root / "mlflow-cost").start()
-            try:
-                base = load_settings()
-                settings = dataclasses.replace(
-                    base, ray_namespace=f"raydeck-cost-{uuid.uuid4().hex[:6]}",
-                    tracking=dataclasses.replace(base.tracking, uri=cost_server.uri,
-                                                 artifact_location=""))
-                log_us, actor_us = call_costs(settings)
-            finally:
-                cost_server.stop()
+            if not args.skip_call_costs:
+                cost_server = MlflowServer(root / "mlflow-cost").start()
+                try:
+                    base = load_settings()
+                    settings = dataclasses.replace(
+                        base, ray_namespace=f"raydeck-cost-{uuid.uuid4().hex[:6]}",
+                        tracking=dataclasses.replace(base.tracking, uri=cost_server.uri,
+                                                     artifact_location=""))
+                    log_us, actor_us = call_costs(settings)
+                finally:
+                    cost_server.stop()
         finally:
             ray.shutdown()
             if postgres is not None:
                 postgres.stop()
 
-    rows.append(("(e) log_metrics, 1 value, caller side", f"{log_us:.2f} us/call",
-                 f"{actor_us / log_us:.0f}x cheaper than an actor call"))
-    rows.append(("(e) fire-and-forget actor call", f"{actor_us:.1f} us/call", ""))
+    if not args.skip_call_costs:
+        rows.append(("(e) log_metrics, 1 value, caller side", f"{log_us:.2f} us/call",
+                     f"{actor_us / log_us:.0f}x cheaper than an actor call"))
+        rows.append(("(e) fire-and-forget actor call", f"{actor_us:.1f} us/call", ""))
     width = max(len(r[0]) for r in rows)
     print(f"\n{'measure':<{width}}  {'result':>18}  ratio")
     for name, value, ratio in rows:

@@ -189,13 +189,21 @@ def test_mlflow_frozen_longer_than_every_client_timeout(proxy: tuple[MlflowServe
 
 
 @pytest.mark.timeout(300)
-def test_shard_and_router_sigkilled_mid_stream(proxy: tuple[MlflowServer, Settings]) -> None:
+@pytest.mark.parametrize("path", ["server", "direct"])
+def test_shard_and_router_sigkilled_mid_stream(proxy: tuple[MlflowServer, Settings], path: str
+                                               ) -> None:
+    """``direct``: the shard writes the server's database itself (``write_db``), so it is
+    killed inside MLflow's database transactions, not while a server finishes them."""
     import ray
 
     import raydeck
+    from raydeck.config.secrets import Secret
     from raydeck.tracking.proxy.actors import ROUTER_NAME, get_shard
 
     server, settings = proxy
+    if path == "direct":
+        settings = dataclasses.replace(settings, tracking=dataclasses.replace(
+            settings.tracking, write_db=Secret(server.backend_store_uri)))
     tracker = raydeck.get_tracker(run_name="proxy-killed", settings=settings)
     second = _SecondRun(settings, "proxy-killed-neighbour")
     total = 20_000

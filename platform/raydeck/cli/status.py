@@ -55,6 +55,9 @@ def _ray_rows(address: str, namespace: str) -> tuple[list[tuple[str, str, str]],
             rows.append(("tracking proxy", "running",
                          f"{shards} shard{'s' if shards != 1 else ''}, {active} active runs, "
                          f"{queued} points queued"))
+            # The running proxy's own path (fixed by the process that made it).
+            paths = {s["write_path"] for s in info["shards"] if s.get("write_path")}
+            rows += [("tracking writes", "proxy", path) for path in sorted(paths)]
     finally:
         ray.shutdown()
     return rows, None
@@ -106,6 +109,11 @@ def status() -> None:
         ray_rows, ray_problem = _ray_rows(settings.ray_address, settings.ray_namespace)
         mlflow_row, mlflow_problem = _mlflow_row(settings.tracking.uri)
         storage_rows, storage_problem = health(settings.storage)
+    if not any(row[0] == "tracking writes" for row in ray_rows):
+        from raydeck.tracking.proxy.direct_store import describe_write_path
+
+        ray_rows.append(("tracking writes", "configured", describe_write_path(
+            settings.tracking.uri, settings.tracking.write_db.reveal())))
     for row in [*ray_rows, mlflow_row, *storage_rows]:
         # Every cell may quote an address: none may show its user-info.
         table.add_row(*(redact_text(cell) for cell in row))

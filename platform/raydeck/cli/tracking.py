@@ -39,6 +39,8 @@ def status() -> None:
         console.print(f"tracking proxy not running in namespace {settings.ray_namespace!r}")
         return
     info = ray.get(router.status.remote(), timeout=STATUS_TIMEOUT_S)
+    for path in sorted({s["write_path"] for s in info["shards"] if s.get("write_path")}):
+        console.print(f"writes go {redact_text(path)}")
     runs = Table(title="runs")
     add_columns(runs, "key", "MLflow run", "name", "mode", "processes", "primary", "state",
                 whole=("key", "MLflow run"))

@@ -90,6 +90,9 @@ class TrackingSettings(Section):
     artifact_location: str = setting(
         "", "Artifact root for experiments raydeck creates; empty: S3 if configured, else local"
     )
+    write_db: Secret = setting(
+        Secret(), "An http(s) uri's own database: the proxy writes runs and values to it directly "
+        "(the server's auth and plugins never see them); set on the head only, never shown")
     experiment: str = setting("raydeck", "MLflow experiment for runs that name none")
     enabled: bool = setting(True, "false turns every tracker into a no-op")
     mode: str = setting("rank_zero", "rank_zero, all_ranks or per_rank")
@@ -130,6 +133,7 @@ class TrackingSettings(Section):
         problem = tracking_uri_problem(self.uri) if self.uri else None
         if problem:
             raise self._reject("uri", problem)
+        self._check_write_db()
         if self.mode not in get_args(TrackingMode):
             raise self._reject("mode", f"must be one of {', '.join(get_args(TrackingMode))}")
         if self.nonfinite not in get_args(NonFinitePolicy):
@@ -158,6 +162,19 @@ class TrackingSettings(Section):
                                f"must be one of {', '.join(get_args(SystemMetricsPolicy))}")
         if self.system_metrics_interval_s < 0:
             raise self._reject("system_metrics_interval_s", "must be >= 0 (0 turns it off)")
+
+    def _check_write_db(self) -> None:
+        """``write_db`` names a database, and only for an http(s) server (a database ``uri`` is
+        written to directly already). Its value is never in the message."""
+        db = self.write_db.reveal()
+        if not db:
+            return
+        if not re.match(r"^(sqlite|postgresql|mysql|mssql)(\+\w+)?://", db):
+            raise self._reject("write_db", "must be the MLflow server's database URI "
+                               "(sqlite:///, postgresql://, mysql:// or mssql://)")
+        if self.uri and not re.match(r"^https?://", self.uri):
+            raise self._reject("write_db", "applies only when uri is an http(s) MLflow server; "
+                               "with a database uri the proxy writes to it directly: unset it")
 
 
 @dataclass(frozen=True)

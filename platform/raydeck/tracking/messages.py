@@ -242,6 +242,9 @@ class ShardConfig:
     mlflow_timeout_s: int
     retry_max_s: float
     env: dict[str, str] = field(repr=False)
+    # Where runs and values are written when it is not ``tracking_uri`` (an http(s) server's
+    # own database, ``[tracking].write_db``); it may hold the database's password.
+    write_uri: str = field(default="", repr=False)
 
 
 @dataclass(frozen=True)
@@ -265,6 +268,7 @@ class ProxyConfig:
     mlflow_timeout_s: int
     retry_max_s: float
     env: dict[str, str] = field(default_factory=dict, repr=False)
+    write_uri: str = field(default="", repr=False)  # see ShardConfig.write_uri
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from raydeck.config.settings import RUN_KEY_PATTERN, Settings, load_settings
 from raydeck.errors import ConfigError
 from raydeck.tracking.client import lifecycle
 from raydeck.tracking.client.context import detect_process
+from raydeck.tracking.client.delivery import attach_to_router
 from raydeck.tracking.client.modes import check_mode
 from raydeck.tracking.client.noop import NoOpTracker
 from raydeck.tracking.client.tracker import Tracker
@@ -175,11 +176,8 @@ def _first_binding(settings: Settings, request: AttachRequest) -> RunBinding | N
     """Ask the router once; None if it does not answer in time (the tracker retries)."""
     import ray
 
-    from raydeck.tracking.proxy.actors import get_router
-
     try:
-        router = get_router(settings)
-        binding: RunBinding = ray.get(router.attach.remote(request), timeout=ATTACH_TIMEOUT_S)
+        binding, _ = attach_to_router(settings, request, ATTACH_TIMEOUT_S)
         return binding
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause if isinstance(exc.cause, Exception) else exc

@@ -44,6 +44,7 @@ from raydeck.tracking.messages import (
     RunBinding,
 )
 from raydeck.tracking.proxy.actors import get_router, get_shard
+from raydeck.tracking.proxy.router import STOPPING
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,34 @@ POINT_BYTES = 64  # what one buffered point costs, roughly, besides its key
 MAX_BATCH_LOG_BYTES = 1024 * 1024
 DROP_WARNING_INTERVAL_S = 60.0
 DROPPED_TAG = "raydeck.buffer_dropped_values"
+# Between two attaches while the proxy stops itself (it is gone within moments).
+STOPPING_RETRY_S = 0.2
+
+
+def attach_to_router(settings: Settings, request: AttachRequest, timeout_s: float
+                     ) -> tuple[RunBinding, Any]:
+    """Attach ``request`` to its run; returns the binding and the router that gave it.
+
+    A proxy that is stopping itself (idle) refuses attaches (``STOPPING``) until it is gone;
+    this attaches again until the next proxy (created by ``get_router``) answers, within
+    ``timeout_s``.
+
+    Raises:
+        whatever the last try raised (``ray.get``'s errors, a refusal), once ``timeout_s`` is
+        spent.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        router = get_router(settings)
+        try:
+            binding: RunBinding = ray.get(router.attach.remote(request),
+                                          timeout=max(0.1, deadline - time.monotonic()))
+            return binding, router
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+            stopping = isinstance(exc, ray.exceptions.RayActorError) or STOPPING in str(exc)
+            if not stopping or time.monotonic() + STOPPING_RETRY_S >= deadline:
+                raise
+            time.sleep(STOPPING_RETRY_S)
 
 
 @dataclass
@@ -110,6 +139,12 @@ class Delivery:
         self._shard: Any = None
         self._rank_of: tuple[int, int] | None = None
         self._closed = threading.Event()
+        # Set once this tracker leaves its run (detach): from then on only the detach itself
+        # attaches again. A heartbeat answered "unknown" because it crossed the detach, or a
+        # late send, must not re-attach a tracker that left: that reopens the run it ended, and
+        # nobody ends it again. ``_attach_lock`` orders a reconnect under way before the detach.
+        self._leaving = False
+        self._attach_lock = threading.Lock()
         self._wake = threading.Event()
         self._heartbeat_ref: Any = None
         if binding is not None:
@@ -160,9 +195,7 @@ class Delivery:
             ConfigError: the router refused the request (a bad key, another MLflow).
         """
         try:
-            self._router = get_router(self._settings)
-            binding: RunBinding = ray.get(self._router.attach.remote(self._request),
-                                          timeout=timeout_s)
+            binding, self._router = attach_to_router(self._settings, self._request, timeout_s)
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if isinstance(exc.cause, Exception) else exc
             if isinstance(cause, ConfigError):
@@ -391,20 +424,23 @@ class Delivery:
                     return
                 offset = held
 
-    def reconnect(self) -> None:
-        """Find the proxy again (Ray restarts it; if it was stopped, this recreates it)."""
-        if self._closed.is_set():
-            return
-        try:
-            self._router = get_router(self._settings)
-            binding = ray.get(self._router.attach.remote(self._request),
-                              timeout=ROUTER_CALL_TIMEOUT_S)
-            first = self._binding is None
-            self._bind(binding)
-            if first:
-                self._on_bound(binding)
-        except Exception as exc:
-            logger.debug("reconnect failed: %s", exc)
+    def reconnect(self, leaving: bool = False) -> None:
+        """Find the proxy again (Ray restarts it; if it was stopped, this recreates it).
+
+        Does nothing once this tracker left its run, unless ``leaving`` (the detach's own).
+        """
+        with self._attach_lock:
+            if self._closed.is_set() or (self._leaving and not leaving):
+                return
+            try:
+                binding, self._router = attach_to_router(self._settings, self._request,
+                                                         ROUTER_CALL_TIMEOUT_S)
+                first = self._binding is None
+                self._bind(binding)
+                if first:
+                    self._on_bound(binding)
+            except Exception as exc:
+                logger.debug("reconnect failed: %s", exc)
 
     # --- background threads ---------------------------------------------------------------------
     def _flush_forever(self) -> None:
@@ -434,7 +470,7 @@ class Delivery:
                 logger.debug("heartbeat failed: %s", exc)
 
     def _heartbeat(self) -> None:
-        if self._router is None or self._binding is None:
+        if self._router is None or self._binding is None or self._leaving:
             return
         previous = self._heartbeat_ref
         if previous is not None:
@@ -454,6 +490,15 @@ class Delivery:
         (the router presumes this process gone otherwise). A guest has nothing to leave."""
         if self._request.guest:
             return []
+        with self._attach_lock:
+            self._leaving = True
+        try:
+            return self._detach(status, deadline)
+        except TrackingUnavailableError:
+            self._leaving = False  # still in the run: heartbeats go on until a finish() works
+            raise
+
+    def _detach(self, status: str, deadline: float) -> list[str]:
         while True:
             try:
                 ended: list[str] | None = ray.get(
@@ -468,14 +513,14 @@ class Delivery:
                         f"tracking router lost this process's part in run "
                         f"{self._request.run_key} and it could not attach again")
                 time.sleep(0.2)
-                self.reconnect()
+                self.reconnect(leaving=True)
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 if time.monotonic() >= deadline or self._closed.is_set():
                     raise TrackingUnavailableError(
                         f"tracking router did not take the end of this process's part in run "
                         f"{self._request.run_key} ({type(exc).__name__})") from None
                 time.sleep(0.2)
-                self.reconnect()
+                self.reconnect(leaving=True)
 
     def stop(self) -> None:
         """Make the background threads, and any send or detach retrying, stop calling Ray at

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -25,7 +26,9 @@ from raydeck._internal.redaction import redact_text
 from raydeck.config.settings import Settings
 from raydeck.errors import TrackingUnavailableError
 from raydeck.tracking.messages import AttachRequest, ProxyConfig, RunBinding, ShardConfig
+from raydeck.tracking.proxy.direct_store import write_target
 from raydeck.tracking.proxy.liveness import ray_liveness
+from raydeck.tracking.proxy.membership import MembershipStore
 from raydeck.tracking.proxy.outbox import Control
 from raydeck.tracking.proxy.router import REAP_INTERVAL_S, RouterCore
 from raydeck.tracking.proxy.run_lookup import MlflowLookup
@@ -63,7 +66,8 @@ def proxy_config(settings: Settings) -> ProxyConfig:
     from raydeck.storage import secret_env
 
     tracking = settings.tracking
-    writers = 1 if tracking.uri.startswith("sqlite") else tracking.writers
+    write_uri = write_target(tracking.uri, tracking.write_db.reveal())
+    writers = 1 if write_uri.startswith("sqlite") else tracking.writers
     return ProxyConfig(
         namespace=settings.ray_namespace,
         tracking_uri=tracking.uri,
@@ -78,6 +82,7 @@ def proxy_config(settings: Settings) -> ProxyConfig:
         mlflow_timeout_s=tracking.mlflow_timeout_s,
         retry_max_s=tracking.retry_max_s,
         env=secret_env(settings.storage),
+        write_uri="" if write_uri == tracking.uri else write_uri,
     )
 
 
@@ -93,13 +98,15 @@ class Router:
                 ShardConfig(index=i, tracking_uri=config.tracking_uri,
                             spool_dir=f"{config.spool_dir}/shard-{i}", fsync=config.fsync,
                             writers=config.writers, mlflow_timeout_s=config.mlflow_timeout_s,
-                            retry_max_s=config.retry_max_s, env=config.env)
+                            retry_max_s=config.retry_max_s, env=config.env,
+                            write_uri=config.write_uri)
             )
             for i in range(config.shards)
         ]
+        # Membership on the head's disk beside the spools: a restarted router knows its runs.
         self.core = RouterCore(config, self._send,
                                MlflowLookup(config.tracking_uri, config.mlflow_timeout_s),
-                               ray_liveness)
+                               ray_liveness, MembershipStore(Path(config.spool_dir) / "router.db"))
         from raydeck.tracking.proxy.metrics import RouterMetrics
 
         self.metrics = RouterMetrics()
@@ -206,7 +213,10 @@ class Router:
             try:
                 idle = self.core.reap()
                 self.metrics.set_active_runs(self.core.active_runs)
-                if idle and self._drained():
+                # claim_stop checks again, atomically with attaches: one that came while the
+                # shards were asked (slow on a loaded machine) keeps the proxy, and none binds
+                # to it once it decided to stop.
+                if idle and self._drained() and self.core.claim_stop():
                     logger.info("tracking proxy idle for %.0f s; stopping",
                                 self.config.idle_timeout_s)
                     self._stop_all()

@@ -9,8 +9,12 @@ reopening and ending a run are *entities* the router hands to the run's shard (:
 data, when MLflow answers. So attaching works while MLflow is down or slow, and no MLflow call
 ever runs under the router's lock (a slow server never delays a heartbeat).
 
-State kept here is soft: a restarted router rebuilds a run from MLflow (the ``raydeck.run_key``
-tag) when a tracker re-attaches, and trackers re-attach when a heartbeat is not recognised.
+Membership of open runs is written through to the head's disk
+(:class:`~raydeck.tracking.proxy.membership.MembershipStore`): a router Ray restarted starts with
+its predecessor's, so a run whose remaining processes died meanwhile still ends. Beyond that,
+state is soft: a router that has no membership rebuilds a run from MLflow (the
+``raydeck.run_key`` tag) when a tracker re-attaches, and trackers re-attach when a heartbeat is
+not recognised.
 
 Rules:
 - Run key: explicit key > the Ray Train run name (when that name is bound to a run, or when the
@@ -28,6 +32,12 @@ Rules:
   actor Ray reports dead. A participant whose heartbeats stopped is asked about after two missed
   beats; one Ray cannot vouch for (a plain task) is presumed dead after ``lost_after_s`` of
   silence. A heartbeat delayed by a slow MLflow cannot happen: nothing here waits for MLflow.
+- Leaving is final for a client: a heartbeat or an attach of a client that detached (sent before
+  its detach, answered after) neither reports it unknown nor joins it again, so it never
+  reopens the run its detach ended; a detach repeated gets the first one's answer.
+- Stopping when idle (no active run and no attach under way for ``idle_timeout_s``) is decided
+  atomically with attaches (:meth:`RouterCore.claim_stop`); from then on attaches are refused
+  (:data:`STOPPING`) and trackers attach to the next proxy.
 """
 
 from __future__ import annotations
@@ -37,13 +47,14 @@ import threading
 import time
 import uuid
 import zlib
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
 from raydeck._internal.redaction import redact_text
 from raydeck.config.settings import RUN_KEY_PATTERN
-from raydeck.errors import ConfigError
+from raydeck.errors import ConfigError, TrackingUnavailableError
 from raydeck.tracking.messages import (
     AttachRequest,
     OpenRun,
@@ -51,6 +62,7 @@ from raydeck.tracking.messages import (
     ProxyConfig,
     RunBinding,
 )
+from raydeck.tracking.proxy.membership import MembershipStore, Participant, Run
 from raydeck.tracking.proxy.outbox import Control, Outbox, Sender
 from raydeck.tracking.proxy.run_lookup import Lookup, looks_like_run_id
 
@@ -60,39 +72,12 @@ REAP_INTERVAL_S = 1.0
 # A participant silent for this many heartbeat intervals is a suspect: Ray is asked about it.
 SUSPECT_AFTER_BEATS = 2.5
 RANK_TAGS = ("raydeck.rank", "raydeck.node", "raydeck.role")
-
-
-@dataclass
-class _Participant:
-    client_id: str
-    process: ProcessInfo
-    last_seen: float
-
-
-@dataclass
-class _Run:
-    key: str
-    name: str
-    experiment: str
-    mode: str
-    created_by_role: str
-    job_id: str | None
-    run_id: str = ""
-    existed: bool = False
-    params: dict[str, str] = field(default_factory=dict)
-    parent_key: str | None = None
-    needs_open: bool = True
-    primary: str | None = None
-    primary_status: str | None = None
-    # The client whose attach brought the run to this router; every later attach resumes it.
-    first_client: str | None = None
-    participants: dict[str, _Participant] = field(default_factory=dict)
-    children: dict[int, bool] = field(default_factory=dict)  # rank -> open in MLflow
-    samplers: dict[str, str] = field(default_factory=dict)
-    terminated: bool = False
-    # How a plain Tune trial ended, as Tune said (``set_trial_outcome``): the run's status when
-    # it ends after that (the trial's exit says FINISHED even when its function raised).
-    outcome: str | None = None
+# Clients that left (detach) whose late heartbeats are not answered "unknown" (that answer makes
+# a tracker attach again); the oldest are forgotten first.
+MAX_DEPARTED = 10_000
+# The message of the error an attach gets while the proxy stops itself; clients attach again to
+# the next proxy (:func:`raydeck.tracking.client.delivery.attach_to_router`).
+STOPPING = "the tracking proxy is stopping itself (idle)"
 
 
 # (every participant, those whose heartbeats stopped) -> role keys Ray says are gone.
@@ -103,19 +88,37 @@ class RouterCore:
     """The router's logic. MLflow lookups, shard calls and Ray queries are injected."""
 
     def __init__(self, config: ProxyConfig, send: Sender, lookup: Callable[[str, str], Lookup],
-                 gone: Liveness) -> None:
+                 gone: Liveness, store: MembershipStore | None = None) -> None:
         self.config = config
         self.outbox = Outbox(send)
         self._lookup = lookup
         self._gone = gone
         self._lock = threading.RLock()
-        self._runs: dict[str, _Run] = {}
+        self._runs: dict[str, Run] = {}
         self._aliases: dict[str, str] = {}
         self._by_client: dict[str, str] = {}
         # Clients whose part end_run ended for them: their own detach has nothing left to do.
         self._released: set[str] = set()
+        # Clients that left: a heartbeat of theirs sent before they left is late, not a sign
+        # that this router forgot them (see heartbeat).
+        self._departed: OrderedDict[str, list[str]] = OrderedDict()  # -> the runs it ended
         self._idle_since: float | None = time.monotonic()
+        # Attaches under way: the proxy is never idle while one is (it may be about to open a
+        # run), and once it decided to stop (claim_stop) it takes none.
+        self._attaching = 0
+        self._stopping = False
         self.active_runs = 0
+        # The open runs of the router this one replaces (Ray restarted it): their processes
+        # are asked about by the reaper as usual, and the runs end when they are gone.
+        self._store = store
+        for run in store.load() if store is not None else []:
+            self._runs[run.key] = run
+            for client_id in run.participants:
+                self._by_client[client_id] = run.key
+            self._idle_since = None
+        if self._runs:
+            logger.info("router restarted with %d open run(s) of its predecessor",
+                        len(self._runs))
 
     # --- attach ------------------------------------------------------------------------------
     def attach(self, request: AttachRequest) -> RunBinding:
@@ -126,7 +129,25 @@ class RouterCore:
         Raises:
             ConfigError: a driver configured for another MLflow than this proxy writes to; a run
                 key that breaks the rules.
+            TrackingUnavailableError: the proxy is stopping itself (:data:`STOPPING`); the
+                caller attaches again, to the next proxy.
         """
+        with self._lock:
+            if self._stopping:
+                raise TrackingUnavailableError(STOPPING)
+            self._attaching += 1
+            if not request.guest and request.client_id in self._departed:
+                # A late attach of a tracker that already left (a reconnect that crossed its
+                # detach): it gets the run's binding as a guest would; it must not join again,
+                # nor reopen the run its detach ended (nobody would end it again).
+                request = replace(request, guest=True)
+        try:
+            return self._attach(request)
+        finally:
+            with self._lock:
+                self._attaching -= 1
+
+    def _attach(self, request: AttachRequest) -> RunBinding:
         process = request.process
         if process.role == "driver" and (
             redact_text(request.tracking_uri) != redact_text(self.config.tracking_uri)
@@ -179,6 +200,7 @@ class RouterCore:
             if child_open is not None:
                 controls.append(child_open)
             self._idle_since = None
+            self._keep([run])
         self.outbox.deliver(controls)
         return binding
 
@@ -201,17 +223,17 @@ class RouterCore:
             return train_name
         return f"run-{uuid.uuid4().hex[:12]}"
 
-    def _new_run(self, key: str, request: AttachRequest, found: Lookup) -> _Run:
+    def _new_run(self, key: str, request: AttachRequest, found: Lookup) -> Run:
         run = self._runs[key] = _run_record(key, request, found)
         return run
 
-    def _guest_binding(self, run: _Run, request: AttachRequest) -> RunBinding:
+    def _guest_binding(self, run: Run, request: AttachRequest) -> RunBinding:
         """A guest's binding: the run's, as a process that is not a participant sees it (a
         silent rank of a ``rank_zero`` run writes nothing, as a participant would)."""
         silent = run.mode == "rank_zero" and not request.process.is_primary_candidate
         return self._binding(run, request, active=not silent)
 
-    def _open_controls(self, run: _Run) -> list[Control]:
+    def _open_controls(self, run: Run) -> list[Control]:
         if not run.needs_open:
             return []
         run.needs_open = False
@@ -227,7 +249,7 @@ class RouterCore:
         """A run, its per-rank children and all their data share one shard (order holds)."""
         return zlib.crc32(root_key.encode()) % self.config.shards
 
-    def _join(self, run: _Run, request: AttachRequest) -> tuple[RunBinding, Control | None]:
+    def _join(self, run: Run, request: AttachRequest) -> tuple[RunBinding, Control | None]:
         process = request.process
         now = time.monotonic()
         if run.first_client is None:
@@ -237,7 +259,7 @@ class RouterCore:
                 self._drop(run, client_id, replaced=True)
         if run.mode == "rank_zero" and not process.is_primary_candidate:
             return self._binding(run, request, active=False), None
-        run.participants[request.client_id] = _Participant(request.client_id, process, now)
+        run.participants[request.client_id] = Participant(request.client_id, process, now)
         self._by_client[request.client_id] = run.key
         if process.is_primary_candidate and (
             run.primary is None or run.primary not in run.participants
@@ -259,7 +281,7 @@ class RouterCore:
                 child_open = Control(self.shard_of(run.key), child_key, "open", spec)
         return self._binding(run, request, active=True), child_open
 
-    def _binding(self, run: _Run, request: AttachRequest, active: bool) -> RunBinding:
+    def _binding(self, run: Run, request: AttachRequest, active: bool) -> RunBinding:
         process = request.process
         run_key = run.key
         sample_system = False
@@ -295,7 +317,8 @@ class RouterCore:
                 key = self._by_client.get(client_id)
                 run = self._runs.get(key) if key else None
                 if run is None or client_id not in run.participants:
-                    unknown.append(client_id)
+                    if client_id not in self._departed:
+                        unknown.append(client_id)
                 else:
                     run.participants[client_id].last_seen = now
         return unknown
@@ -315,11 +338,19 @@ class RouterCore:
                 if client_id in self._released:
                     self._released.discard(client_id)
                     return []
+                if client_id in self._departed:
+                    # Its detach again (the answer to the first was lost): the same answer.
+                    return list(self._departed[client_id])
                 return None
             controls = self._drop(run, client_id, status=status)
             controls += self._maybe_end(run)
+            ended = [c.run_key for c in controls if c.kind == "end"]
+            self._keep([run])
+            self._departed[client_id] = ended
+            while len(self._departed) > MAX_DEPARTED:
+                self._departed.popitem(last=False)
         self.outbox.deliver(controls)
-        return [c.run_key for c in controls if c.kind == "end"]
+        return ended
 
     def end_run(self, key: str, status: str, tags: dict[str, str]) -> bool:
         """End a run for a supervisor that knows better than its processes (Tune's scheduler).
@@ -338,6 +369,7 @@ class RouterCore:
                 self._released.add(client_id)
             run.primary_status = status
             controls += self._maybe_end(run)
+            self._keep([run])
         self.outbox.deliver(controls)
         return True
 
@@ -356,10 +388,11 @@ class RouterCore:
                     return []
                 run.terminated = True
                 run.primary_status = status
+                self._keep([run])
         self.outbox.deliver([Control(self.shard_of(key), key, "end", status)])
         return [key]
 
-    def _drop(self, run: _Run, client_id: str, status: str = "KILLED",
+    def _drop(self, run: Run, client_id: str, status: str = "KILLED",
               replaced: bool = False) -> list[Control]:
         participant = run.participants.pop(client_id)
         self._by_client.pop(client_id, None)
@@ -394,9 +427,10 @@ class RouterCore:
                         and run.parent_key is None and not run.terminated):
                     run.outcome = status
                     keys.append(run.key)
+                    self._keep([run])
         return keys
 
-    def _maybe_end(self, run: _Run) -> list[Control]:
+    def _maybe_end(self, run: Run) -> list[Control]:
         if run.terminated or run.primary_status is None or run.participants:
             return []
         run.terminated = True
@@ -415,6 +449,7 @@ class RouterCore:
         gone = self._gone([p.process for p in everyone], suspects) if everyone else set()
         controls: list[Control] = []
         with self._lock:
+            changed = []
             for run in list(self._runs.values()):
                 for client_id, participant in list(run.participants.items()):
                     silent_s = now - participant.last_seen
@@ -427,18 +462,45 @@ class RouterCore:
                                        participant.process.role_key, client_id,
                                        "is gone (Ray)" if dead else "went silent")
                         controls += self._drop(run, client_id, status="KILLED")
+                        changed.append(run)
                 controls += self._maybe_end(run)
-            active = sum(1 for run in self._runs.values() if not run.terminated)
-            self.active_runs = active
-            if active:
-                self._idle_since = None
-            elif self._idle_since is None:
-                self._idle_since = now
-            idle = self._idle_since is not None and now - self._idle_since > (
-                self.config.idle_timeout_s)
+            self._keep(changed)
+            idle = self._idle(now)
         self.outbox.deliver(controls)
         self.outbox.retry()
         return idle and not self.outbox.size()
+
+    def _keep(self, runs: list[Run]) -> None:
+        """Write ``runs``' membership through to the store (caller holds the lock)."""
+        if self._store is not None and runs:
+            self._store.save(runs)
+
+    def _idle(self, now: float) -> bool:
+        """Whether the proxy has had nothing to do for ``idle_timeout_s``: no active run and no
+        attach under way (one may be about to open a run). Caller holds the lock."""
+        active = sum(1 for run in self._runs.values() if not run.terminated)
+        self.active_runs = active
+        if active or self._attaching:
+            self._idle_since = None
+        elif self._idle_since is None:
+            self._idle_since = now
+        return self._idle_since is not None and now - self._idle_since > (
+            self.config.idle_timeout_s)
+
+    def claim_stop(self) -> bool:
+        """Decide, atomically with attaches, that the proxy stops: True if it is still idle
+        (checked again now: an attach may have come since ``reap`` said so) and nothing waits
+        in the outbox; from then on every attach is refused with :data:`STOPPING`, so no
+        tracker binds to a proxy that is about to go (it attaches to the next one).
+        """
+        waiting = self.outbox.size()  # never under the lock: a send may hold the outbox's
+        with self._lock:
+            if self._stopping:
+                return True
+            if not self._idle(time.monotonic()) or waiting:
+                return False
+            self._stopping = True
+            return True
 
     def status(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -454,10 +516,10 @@ class RouterCore:
             ]
 
 
-def _run_record(key: str, request: AttachRequest, found: Lookup) -> _Run:
+def _run_record(key: str, request: AttachRequest, found: Lookup) -> Run:
     """The router's record of a run it did not hold, from what MLflow said about ``key``."""
     existed = found.known and bool(found.run_id)
-    return _Run(
+    return Run(
         key=key, name=(found.name if existed else "") or request.run_name or key,
         experiment=request.experiment, mode=(found.mode if existed else "") or request.mode,
         created_by_role=request.process.role, job_id=request.process.job_id,

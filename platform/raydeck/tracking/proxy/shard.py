@@ -53,6 +53,7 @@ from raydeck.tracking.messages import (
 )
 from raydeck.tracking.proxy.cross_rank import CrossRank
 from raydeck.tracking.proxy.dead_letters import DeadLetters
+from raydeck.tracking.proxy.direct_store import describe_write_path
 from raydeck.tracking.proxy.metrics import ShardMetrics
 from raydeck.tracking.proxy.run_queue import (
     BY_SIZE,
@@ -106,7 +107,8 @@ class ShardCore(ShardWriters):
         os.environ.update(config.env)
         self.config = config
         self.spool = Spool(Path(config.spool_dir), fsync=config.fsync)
-        self.writer = MlflowWriter(config.tracking_uri, request_timeout_s=config.mlflow_timeout_s)
+        self.writer = MlflowWriter(config.tracking_uri, request_timeout_s=config.mlflow_timeout_s,
+                                   write_uri=config.write_uri, writers=config.writers)
         self.metrics = ShardMetrics(config.index)
         self.received = 0
         self.written = 0
@@ -417,6 +419,7 @@ class ShardCore(ShardWriters):
             "repeats_dropped": self._fences.dropped,
             "write_errors": self.transient_errors,
             "last_error": self.last_error,
+            "write_path": describe_write_path(self.config.tracking_uri, self.config.write_uri),
         }
 
     def stop(self, timeout_s: float = 10.0) -> None:

@@ -28,6 +28,13 @@ from typing import TYPE_CHECKING, Any
 from raydeck._internal.redaction import quiet_mlflow_urls
 from raydeck.config.settings import TrackingSettings
 from raydeck.tracking.messages import DatasetRef, Point
+from raydeck.tracking.proxy.direct_store import (
+    SchemaMismatchError,
+    check_schema,
+    is_database_uri,
+    pool_env,
+    transient_db_failure,
+)
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric, Param, RunTag
@@ -109,7 +116,10 @@ class FailurePolicy:
     """Classifies every failure MLflow, S3 or the local disk can produce.
 
     Transient: connection refused or reset, timeouts, HTTP 5xx, 401 (credentials), 408 and 429,
-    S3 throttling and internal errors, a locked database (MLflow maps it to 503). Permanent: any
+    S3 throttling and internal errors, a locked, restarting or unreachable database (the direct
+    path: SQLAlchemy's error decides, :func:`~raydeck.tracking.proxy.direct_store.
+    transient_db_failure`), a database whose schema is not MLflow's (nothing is written until it
+    is upgraded). Permanent: any
     other 4xx answer
     (a refused value, a conflicting param, an unknown run, 403 access denied, 413 too large),
     S3's refusals (AccessDenied, NoSuchBucket, InvalidAccessKeyId, EntityTooLarge, ...), missing
@@ -119,7 +129,14 @@ class FailurePolicy:
     """
 
     def classify(self, exc: BaseException) -> Verdict:
-        for cause in _chain(exc):
+        chain = _chain(exc)
+        if any(isinstance(cause, SchemaMismatchError) for cause in chain):
+            return Verdict(True, _short(exc))  # never written; waits for the upgrade
+        # The direct path: the database's own error decides, not MLflow's wrapping of it.
+        by_database = transient_db_failure(chain)
+        if by_database is not None:
+            return Verdict(by_database, _short(exc))
+        for cause in chain:
             verdict = self._classify_one(cause)
             if verdict is not None:
                 return verdict
@@ -229,37 +246,71 @@ def _store_init_lock(tracking_uri: str) -> Iterator[None]:
 
 
 class MlflowWriter:
-    """Writes to one MLflow tracking server. Thread-safe: the shard's writers share it."""
+    """Writes to one MLflow backend. Thread-safe: the shard's writers share it.
+
+    ``write_uri`` (default ``tracking_uri``) is where runs, values and ends go: a database URI is
+    the direct path (MLflow's SQL store, its schema checked before the first write, a pool of
+    ``writers + 1`` connections). Files always go through ``tracking_uri`` (an http(s) server's
+    artifact proxy and default artifact root), and so do experiments when the two differ.
+    """
 
     def __init__(self, tracking_uri: str, policy: FailurePolicy | None = None,
-                 request_timeout_s: int = DEFAULT_REQUEST_TIMEOUT_S) -> None:
+                 request_timeout_s: int = DEFAULT_REQUEST_TIMEOUT_S, write_uri: str = "",
+                 writers: int = 1) -> None:
         # MLflow reads these per request from the process's environment: one timeout per
         # process (a shard, the router, the queue actor), set by the writer it makes.
         os.environ.update(mlflow_request_env(request_timeout_s))
+        self.write_uri = write_uri or tracking_uri
+        self.direct = is_database_uri(self.write_uri)
+        # Read by MLflow when it makes the engine, once per process and URI (a shard is one
+        # process with one writer).
+        os.environ.update(pool_env(self.write_uri, writers))
         self._mlflow = mlflow_client_api()
         quiet_mlflow_urls(tracking_uri)
         self.tracking_uri = tracking_uri
         self.policy = policy or FailurePolicy()
         self._client: MlflowClient | None = None
+        self._server: MlflowClient | None = None
         self._client_lock = threading.Lock()
 
     @property
     def client(self) -> MlflowClient:
-        """MLflow's client, made on first use: for a SQL URI making it connects to the database
-        (and migrates a new one), which may fail while the database is down; that failure is a
-        write error like any other, never one that stops the shard from starting."""
+        """MLflow's client for writes, made on first use: for a SQL URI making it connects to the
+        database (and migrates a new one), which may fail while the database is down; that failure
+        is a write error like any other, never one that stops the shard from starting. A database
+        whose schema revision is not the installed MLflow's is refused here
+        (:class:`~raydeck.tracking.proxy.direct_store.SchemaMismatchError`), before any write,
+        and checked again at the next write until it matches."""
         if self._client is None:
             with self._client_lock:
                 if self._client is None:
-                    with _store_init_lock(self.tracking_uri):
+                    with _store_init_lock(self.write_uri):
+                        if self.direct:
+                            check_schema(self.write_uri)
                         self._client = self._mlflow.tracking.MlflowClient(
-                            tracking_uri=self.tracking_uri)
+                            tracking_uri=self.write_uri)
         return self._client
 
-    def _call(self, what: str, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run ``client.<method>``; failures come out as Transient- or PermanentWriteError."""
+    @property
+    def server(self) -> MlflowClient:
+        """The client for files and experiments: the write client unless ``write_uri`` is a
+        server's database, then the server's own."""
+        if self.write_uri == self.tracking_uri:
+            return self.client
+        if self._server is None:
+            with self._client_lock:
+                if self._server is None:
+                    self._server = self._mlflow.tracking.MlflowClient(
+                        tracking_uri=self.tracking_uri)
+        return self._server
+
+    def _call(self, what: str, method: str, *args: Any, via_server: bool = False,
+              **kwargs: Any) -> Any:
+        """Run ``client.<method>`` (``server.<method>`` with ``via_server``); failures come out
+        as Transient- or PermanentWriteError."""
         try:
-            return getattr(self.client, method)(*args, **kwargs)
+            client = self.server if via_server else self.client
+            return getattr(client, method)(*args, **kwargs)
         except Exception as exc:
             verdict = self.policy.classify(exc)
             if verdict.transient:
@@ -315,7 +366,7 @@ class MlflowWriter:
     def upload_file(self, run_id: str, path: Path, artifact_dir: str) -> None:
         """Upload one local file to ``<artifact root>/<artifact_dir>/<path.name>``."""
         self._call(f"artifact upload {artifact_dir + '/' if artifact_dir else ''}{path.name}",
-                   "log_artifact", run_id, str(path), artifact_dir or None)
+                   "log_artifact", run_id, str(path), artifact_dir or None, via_server=True)
 
     def history_steps(self, run_id: str, key: str) -> list[int]:
         """Steps of every point of metric ``key`` MLflow holds for a run."""
@@ -348,15 +399,19 @@ class MlflowWriter:
         return hits[0] if hits else None
 
     def experiment_id(self, name: str, artifact_location: str) -> str:
-        exp = self._call("get_experiment_by_name", "get_experiment_by_name", name)
+        # Through the server: an experiment made through its database would get this process's
+        # default artifact root, not the server's.
+        exp = self._call("get_experiment_by_name", "get_experiment_by_name", name,
+                         via_server=True)
         if exp is not None:
             return str(exp.experiment_id)
         try:
             return str(self._call("create_experiment", "create_experiment", name,
-                                  artifact_location=artifact_location or None))
+                                  artifact_location=artifact_location or None, via_server=True))
         except PermanentWriteError:
             # Another shard or router created it first.
-            exp = self._call("get_experiment_by_name", "get_experiment_by_name", name)
+            exp = self._call("get_experiment_by_name", "get_experiment_by_name", name,
+                             via_server=True)
             if exp is None:
                 raise
             return str(exp.experiment_id)
