@@ -221,10 +221,11 @@ def test_bad_input_is_one_line_exit_2_and_queues_nothing(cluster: Cluster) -> No
     # Who may, through the CLI and the actor: while the head's admins file names another
     # account, this one may not change the teams file, whatever LOGNAME and USER say (issue
     # 52). The other rules: tests/scheduling/test_queue_identity.py.
+    teams = _teams(cluster)  # written first: it names this account the admin
     admins = _admins(cluster, "mallory")
     spoofed = {**cluster.env, "LOGNAME": "mallory", "USER": "mallory"}
     refused = subprocess.run([sys.executable, "-m", "raydeck.cli", "queue", "--teams",
-                              str(_teams(cluster))], cwd=cluster.workdir, env=spoofed,
+                              str(teams)], cwd=cluster.workdir, env=spoofed,
                              capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
     assert (f"--teams/--policy/--aging: only the queue's admins (mallory) may change them, not "
             f"user {_me()}") in _one_error_line(refused)
