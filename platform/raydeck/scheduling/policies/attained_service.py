@@ -57,7 +57,6 @@ import numpy as np
 from raydeck.errors import ConfigError
 from raydeck.scheduling.policies.core import (
     DEFAULT_AGING_S,
-    Capacity,
     Policy,
     QueuedJob,
     Resources,
@@ -182,25 +181,11 @@ class AttainedService(Policy):
         """Since it last ran (a victim's wait starts again when it stops)."""
         return now - self._last_ran.get((job.id, job.submitted_s), job.submitted_s)
 
-    def decide(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
-               free: Capacity, total: Resources, now: float) -> list[QueuedJob]:
-        """Jobs to start now, in order: every job of the ordered queue that fits (placed whole)
-        and its quota allows, passing those that do not fit, up to the first aged job that does
-        not (past the starvation bound a job's room is kept: nothing starts after it)."""
-        started: list[QueuedJob] = []
-        running = list(running)
-        for job in self.order(queue, running, now):
-            if not self.allowed(job, running):
-                continue
-            left = free.after(job)
-            if left is None:
-                if self.waiting(job, now) >= self.aging_s:
-                    break
-                continue
-            started.append(job)
-            running.append(RunningJob(job, now))
-            free = left
-        return started
+    def passable(self, job: QueuedJob, now: float) -> bool:
+        """Every job that fits starts past one that does not, as Tiresias places jobs, until
+        that one has waited the starvation bound (then its room is kept: nothing starts after
+        it)."""
+        return self.waiting(job, now) < self.aging_s
 
     def ended(self, job: RunningJob, now: float) -> None:
         self._last_ran[(job.job.id, job.job.submitted_s)] = now

@@ -198,7 +198,8 @@ class Policy(abc.ABC):
     def decide(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
                free: Capacity, total: Resources, now: float) -> list[QueuedJob]:
         """Jobs to start now, in order: as many of the ordered queue as fit (placed whole), up
-        to the first that does not (jobs a quota holds back are skipped, not blocking)."""
+        to the first that does not and that :meth:`passable` says holds the rest back (jobs a
+        quota holds back are skipped, not blocking)."""
         started: list[QueuedJob] = []
         running = list(running)
         for job in self.order(queue, running, now):
@@ -206,11 +207,18 @@ class Policy(abc.ABC):
                 continue
             left = free.after(job)
             if left is None:
+                if self.passable(job, now):
+                    continue
                 break
             started.append(job)
             running.append(RunningJob(job, now))
             free = left
         return started
+
+    def passable(self, job: QueuedJob, now: float) -> bool:
+        """Whether jobs behind ``job``, which does not fit now, may start before it: by default
+        not (strict order: its room is kept)."""
+        return False
 
     def preempt(self, queue: Sequence[QueuedJob], running: Sequence[RunningJob],
                 free: Resources, now: float,
