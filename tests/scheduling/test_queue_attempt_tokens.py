@@ -3,25 +3,23 @@ carry the token the queue issued to its current attempt, set in the attempt's ru
 other process, an earlier attempt of the same job included, is refused: it cannot mark the job
 completed (so a head restart's witness does not then record it succeeded), and its checkpoint
 calls are told to stop and record nothing. The real :class:`JobQueue` and store, the in-memory
-job server recording each attempt's env as Ray's launcher sets it, and the job's side
-(:mod:`raydeck.tracking.client.preemption`) reading its env, with Ray's transport to the actor
-replaced by a direct call to the queue.
+job server recording each attempt's env as Ray's launcher sets it. That a real job sends its
+attempt's token through the real actor is what tests/scheduling/test_queue.py's jobs on a Ray
+head show: a job whose calls lacked it would be told to stop at its first checkpoint.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from raydeck._internal.contract import QUEUE_JOB_ENV, QUEUE_TOKEN_ENV
-from raydeck.errors import ConfigError, RaydeckError
+from raydeck.errors import ConfigError
 from raydeck.scheduling.policies.core import Resources
 from raydeck.scheduling.queue.job_queue import JobQueue, JobSpec
 from raydeck.scheduling.queue.ray_jobs import queue_env
 from raydeck.scheduling.queue.store import JobRow, Store
-from raydeck.tracking.client import preemption
 from tests.fixtures.fake_job_server import FakeJobServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -132,57 +130,3 @@ def test_each_attempt_gets_its_own_token_and_a_retried_submission_keeps_it(
     assert _row(store, "B").token not in ("", queued)
     assert queue_env(_row(store, "B")) == {QUEUE_JOB_ENV: "B",
                                            QUEUE_TOKEN_ENV: _row(store, "B").token}
-
-
-class _Handle:
-    """The queue actor's handle as the job's process sees it, each call answered by the real
-    queue as the actor answers (``(True, value)``, or ``(False, message)`` for a refusal)."""
-
-    def __init__(self, queue: JobQueue) -> None:
-        self.queue = queue
-        self.calls: list[tuple[str, str, str]] = []
-
-    def __getattr__(self, method: str) -> Any:
-        def remote(job_id: str, token: str) -> tuple[bool, Any]:
-            self.calls.append((method, job_id, token))
-            try:
-                return True, getattr(self.queue, method)(job_id, token)
-            except RaydeckError as exc:
-                return False, str(exc)
-
-        return type("Method", (), {"remote": staticmethod(remote)})()
-
-
-def test_the_job_sends_its_attempts_token_with_every_call(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import ray
-    import ray.experimental.internal_kv as kv
-
-    server = _Server()
-    store, queue = _started(tmp_path, server)
-    handle, stopped = _Handle(queue), set()
-    monkeypatch.setattr(preemption, "_handle", handle)
-    monkeypatch.setattr(ray, "get", lambda answer, timeout=None: answer)
-    context = type("Context", (), {"get_job_id": staticmethod(lambda: "02000000")})()
-    monkeypatch.setattr(ray, "get_runtime_context", lambda: context)
-    monkeypatch.setattr(kv, "_internal_kv_put", lambda key, *_, **__: stopped.add(key))
-    monkeypatch.setattr(kv, "_internal_kv_exists", lambda key, **_: key in stopped)
-
-    # Another process claiming to be the job (its id, not its token) is stopped at its
-    # checkpoint and cannot report completion.
-    monkeypatch.setenv(QUEUE_JOB_ENV, "B")
-    monkeypatch.setenv(QUEUE_TOKEN_ENV, "forged")
-    assert preemption.checkpoint_committed(0) is True
-    assert preemption.stopped_for_queue() == (True, None)
-    assert _row(store, "B").checkpoint_at is None
-
-    # The job itself, with the env the queue started it with.
-    stopped.clear()
-    monkeypatch.setattr(preemption, "_stop_requested", False)
-    for name, value in server.envs["B"].items():
-        monkeypatch.setenv(name, value)
-    assert preemption.checkpoint_committed(0) is False
-    assert preemption.stopped_for_queue() == (False, None)
-    row = _row(store, "B")
-    assert row.checkpoint_at is not None and row.completed_at is not None
-    assert {token for *_, token in handle.calls} == {"forged", server.token("B")}
