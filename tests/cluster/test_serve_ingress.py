@@ -4,7 +4,7 @@ The rules of :mod:`raydeck.cluster.serve_ingress` and the environment
 :func:`raydeck.cluster.connection.connect` gives a local Ray it starts; no process starts here. That
 a Serve application answers through HAProxy on a Ray started this way is
 ``tests/serving/test_serving.py``'s ``test_haproxy_is_the_ingress_of_a_local_ray_raydeck_starts``
-(the session's Ray is started with :func:`raydeck.cluster.connection.local_serve_ingress`).
+(the session's Ray is started with :func:`raydeck.cluster.connection.local_node_variables`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from raydeck.cluster.connection import local_serve_ingress
+from raydeck.cluster.connection import local_node_variables
 from raydeck.cluster.serve_ingress import (
     HAPROXY_BINARY_ENV,
     HAPROXY_ENV,
@@ -86,19 +86,19 @@ def test_connect_sets_them_only_for_the_local_ray_it_may_start(
     for name in (HAPROXY_ENV, HAPROXY_RETRY_ENV, *HAPROXY_PORT_ENVS, "RAY_ADDRESS"):
         monkeypatch.delenv(name, raising=False)
     for address in ("", "local"):
-        with local_serve_ingress(address):
+        with local_node_variables(address):
             assert os.environ[HAPROXY_ENV] == "1"
             assert os.environ[HAPROXY_RETRY_ENV] == HAPROXY_RETRY_ON
             assert all(os.environ[name].isdigit() for name in HAPROXY_PORT_ENVS)
         # As before: the processes this one starts later inherit neither ports nor policy.
         assert not {HAPROXY_ENV, HAPROXY_RETRY_ENV, *HAPROXY_PORT_ENVS} & set(os.environ)
-    with local_serve_ingress("10.0.0.1:6379"):  # a cluster of its own: its nodes' choice
+    with local_node_variables("10.0.0.1:6379"):  # a cluster of its own: its nodes' choice
         assert HAPROXY_ENV not in os.environ
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    with local_serve_ingress(""):
+    with local_node_variables(""):
         assert HAPROXY_ENV not in os.environ
     monkeypatch.delenv("RAY_ADDRESS")
     monkeypatch.setenv(HAPROXY_ENV, "0")
-    with local_serve_ingress(""):
+    with local_node_variables(""):
         assert os.environ[HAPROXY_ENV] == "0"
     assert os.environ[HAPROXY_ENV] == "0"

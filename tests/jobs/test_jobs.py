@@ -16,6 +16,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -476,11 +477,17 @@ def test_ray_address_in_its_ray_client_form_reaches_the_heads_job_server(
     listed = _raydeck("jobs", env=env, timeout=120)
     assert listed.returncode == 0, listed.stdout[-3000:] + listed.stderr[-3000:]
     assert submission_id in listed.stdout, listed.stdout
-    # A command's driver through Ray Client, which takes ray.init's arguments as JSON (so no
-    # job config marking it as raydeck's command): it connects all the same.
-    status = _raydeck("status", env={**env, "RAYDECK_RAY_ADDRESS": ray_head.client_address},
-                      timeout=120)
-    assert "Ray node" in status.stdout, status.stdout[-3000:] + status.stderr[-3000:]
+    # Commands' drivers through Ray Client, which takes ray.init's arguments as JSON (so no
+    # job config marking them as raydeck's commands): they connect all the same, three at once.
+    # The client server forks a server process for each session from its gRPC threads; without
+    # GRPC_ENABLE_FORK_SUPPORT=0 on the head (raydeck.cluster.node_env) a child crashed in gRPC's
+    # fork handler about once in 20 such sessions ("Initialization failure from server").
+    status_env = {**env, "RAYDECK_RAY_ADDRESS": ray_head.client_address}
+    with ThreadPoolExecutor(3) as pool:
+        statuses = list(pool.map(lambda _: _raydeck("status", env=status_env, timeout=180),
+                                 range(3)))
+    for status in statuses:
+        assert "Ray node" in status.stdout, status.stdout[-3000:] + status.stderr[-3000:]
 
 
 # A user's own training script: a driver that connects with ray.init (Ray lists it as a job of

@@ -200,7 +200,7 @@ def test_the_serving_pages_curl_example_is_answered_with_its_digit(served: Serve
 @pytest.mark.timeout(300)
 def test_haproxy_is_the_ingress_of_a_local_ray_raydeck_starts(served: Served) -> None:
     """The session's Ray is started as raydeck's own ``ray.init()`` starts a local one
-    (``raydeck.cluster.connection.local_serve_ingress``), so Serve's ingress is HAProxy: it listens
+    (``raydeck.cluster.connection.local_node_variables``), so Serve's ingress is HAProxy: it listens
     on the application's port and sends each request straight to a replica's own HTTP server, on the
     application's host only. Every other test of the module runs through it."""
     import psutil

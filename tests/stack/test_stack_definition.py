@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
+from raydeck.cluster.node_env import GRPC_FORK_SUPPORT_ENV, NODE_ENV
 from raydeck.config import stack_connection as connection
 from raydeck.config.secrets import Secret
 from raydeck.config.settings import load_settings
@@ -259,3 +260,16 @@ def test_config_command_masks_the_stacks_secret(stack_file: dict[str, Any], tmp_
                                  "MLFLOW_TRACKING_URI": "raydeck://", "COLUMNS": "200"})
     assert plugin.returncode == 0, plugin.stderr
     assert "http://127.0.0.1:15000" in plugin.stdout and "sqlite" not in plugin.stdout
+
+
+def test_the_head_carries_the_variables_of_every_ray_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC's fork handlers off on `up`'s head and compose's nodes, as on every node raydeck
+    starts (:mod:`raydeck.cluster.node_env`)."""
+    (head,) = [launcher for launcher in LAUNCHERS if launcher.spec.name == "ray-head"]
+    monkeypatch.delenv(GRPC_FORK_SUPPORT_ENV, raising=False)
+    env = head.environment(_context(tmp_path))
+    assert {name: env[name] for name in NODE_ENV} == dict(NODE_ENV)
+    for node in ("ray-head", "ray-worker"):
+        assert str(COMPOSE[node]["environment"][GRPC_FORK_SUPPORT_ENV]) == "0"

@@ -5,8 +5,9 @@ settings to every worker of the job: the job's runtime env, or for a local Ray t
 starts, its processes' environment, :func:`starting_ray`), and read-only views of nodes and
 resources.
 Does not own: starting or stopping clusters (``ray start``/compose do that) or job submission;
-the local Ray that ``ray.init`` starts when no cluster is named gets Serve's ingress as
-:mod:`raydeck.cluster.serve_ingress` chooses it (:func:`local_serve_ingress`).
+the local Ray that ``ray.init`` starts when no cluster is named gets the variables of every
+node raydeck starts (:mod:`raydeck.cluster.node_env`) and Serve's ingress as
+:mod:`raydeck.cluster.serve_ingress` chooses it (:func:`local_node_variables`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from raydeck._internal import contract
 from raydeck._internal.environ import environment
+from raydeck.cluster import node_env
 from raydeck.cluster.serve_ingress import local_node_env
 from raydeck.config.settings import Settings, load_settings
 from raydeck.config.stack_connection import ray_auth_env
@@ -128,20 +130,21 @@ def _beside_submitted_job(runtime_env: dict[str, Any]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def local_serve_ingress(address: str | None) -> Iterator[None]:
-    """Around a ``ray.init``: a local Ray it starts gets Serve's ingress as raydeck chooses it.
+def local_node_variables(address: str | None) -> Iterator[None]:
+    """Around a ``ray.init``: a local Ray it starts gets the variables of every node raydeck
+    starts (:data:`raydeck.cluster.node_env.NODE_ENV`) and Serve's ingress as raydeck chooses it.
 
     ``ray.init`` starts a local Ray, whose processes inherit this process's environment as it
     is then, when ``address`` is ``local``, or empty with no ``RAY_ADDRESS`` and no ``ray
-    start`` cluster on this machine (Ray's rule). Serve reads ``RAY_SERVE_ENABLE_HA_PROXY``
-    when its controller starts, so :func:`raydeck.cluster.serve_ingress.local_node_env` is in the
+    start`` cluster on this machine (Ray's rule). Ray's processes read them when they start
+    (Serve's ``RAY_SERVE_ENABLE_HA_PROXY`` when its controller starts), so they are in the
     environment for the call (a value the user set is kept) and this process's environment is
     as before afterwards: nothing else this process starts inherits HAProxy's ports.
     """
     if (address and address != "local") or (not address and os.environ.get("RAY_ADDRESS")):
         yield
         return
-    with environment(local_node_env(os.environ)):
+    with environment({**node_env.local_env(os.environ), **local_node_env(os.environ)}):
         yield
 
 
@@ -161,7 +164,7 @@ def starting_ray(address: str | None, runtime_env: dict[str, Any]
 
     Joining a cluster, ``runtime_env`` is passed whole. A local Ray that the call starts
     inherits this process's environment as it is then, so ``runtime_env``'s variables (raydeck's
-    settings) and Serve's ingress (:func:`local_serve_ingress`) are set for the call and reach
+    settings) and the node's variables (:func:`local_node_variables`) are set for the call and reach
     every worker that way, and only the rest of ``runtime_env`` is passed: none, unless the
     caller added more. Ray then starts each worker directly instead of through its runtime-env
     setup process, one interpreter and one ``import ray`` (about 0.8 CPU-s) less per worker,
@@ -171,7 +174,7 @@ def starting_ray(address: str | None, runtime_env: dict[str, Any]
         yield runtime_env
         return
     rest = {key: value for key, value in runtime_env.items() if key != "env_vars"}
-    with local_serve_ingress(address), environment(runtime_env.get("env_vars", {})):
+    with local_node_variables(address), environment(runtime_env.get("env_vars", {})):
         yield rest or None
 
 
@@ -315,11 +318,24 @@ def connect_existing(address: str) -> None:
             _command_driver = True
             return
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            reason = _failure_summary(exc)
     raise ClusterUnavailableError(
         f"Ray cluster at {address!r} is unreachable ({reason}); start it or fix "
         "RAYDECK_RAY_ADDRESS / RAY_ADDRESS"
     )
+
+
+def _failure_summary(exc: Exception) -> str:
+    """One line for why ``ray.init`` failed. Ray Client puts the server's traceback under a
+    heading ("Initialization failure from server:"): its last line is the server's reason
+    (e.g. "RuntimeError: Starting Ray client server failed. See ray_client_server_23001.err
+    ..."), so a heading is followed by it."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    if lines[0].endswith(":") and len(lines) > 1:
+        return node_env.explain_client_failure(f"{lines[0]} {lines[-1]}")
+    return lines[0]
 
 
 def leave_as_command_driver() -> None:

@@ -51,6 +51,7 @@ from urllib.parse import urlsplit
 import psutil
 
 from raydeck._internal.redaction import redact_url
+from raydeck.cluster import node_env
 from raydeck.cluster.connection import unreachable_reason
 from raydeck.config import stack_connection
 from raydeck.config.secrets import Secret
@@ -74,9 +75,6 @@ GCS_DASHBOARD_KEY = b"dashboard"
 # How long a Ray Client session may take to report its dashboard: a few seconds on an idle
 # head (the client server starts a server process for the session).
 CLIENT_SESSION_TIMEOUT_S = 60.0
-# The client server starts a server process per session, and that start can fail on a loaded
-# head ("Starting Ray client server failed", seen once in the suite); a second session is cheap.
-CLIENT_SESSION_ATTEMPTS = 2
 _CLIENT_DASHBOARD = ("import sys, ray\n"
                      "context = ray.init(sys.argv[1], logging_level='ERROR')\n"
                      "print('dashboard=' + (context.dashboard_url or ''))\n"
@@ -256,23 +254,20 @@ def read_client_dashboard(client: ClusterAddress,
     unreachable = unreachable_reason(client.host_port)
     if unreachable:
         raise ClusterUnavailableError(f"cannot reach it ({unreachable})")
-    failure = ""
-    for attempt in range(1, CLIENT_SESSION_ATTEMPTS + 1):
-        try:
-            done = subprocess.run(
-                [sys.executable, "-c", _CLIENT_DASHBOARD, client.value.strip()],
-                capture_output=True, text=True, timeout=timeout_s, check=False)
-        except subprocess.TimeoutExpired:
-            raise ClusterUnavailableError(
-                f"no Ray Client session started in {timeout_s:.0f} s") from None
-        found = [line.removeprefix("dashboard=") for line in done.stdout.splitlines()
-                 if line.startswith("dashboard=")]
-        if done.returncode == 0 and found and found[0]:
-            return found[0]
-        failure = redact_url((done.stderr.strip().splitlines() or ["no dashboard reported"])[-1])
-        logger.info("Ray Client session %d of %d at %s failed: %s", attempt,
-                    CLIENT_SESSION_ATTEMPTS, redact_url(client.value), failure)
-    raise ClusterUnavailableError(f"its Ray Client session failed: {failure}")
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _CLIENT_DASHBOARD, client.value.strip()],
+            capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise ClusterUnavailableError(
+            f"no Ray Client session started in {timeout_s:.0f} s") from None
+    found = [line.removeprefix("dashboard=") for line in done.stdout.splitlines()
+             if line.startswith("dashboard=")]
+    if done.returncode == 0 and found and found[0]:
+        return found[0]
+    failure = redact_url((done.stderr.strip().splitlines() or ["no dashboard reported"])[-1])
+    raise ClusterUnavailableError(
+        f"its Ray Client session failed: {node_env.explain_client_failure(failure)}")
 
 
 def resolve_job_server(

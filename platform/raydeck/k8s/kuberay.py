@@ -32,12 +32,14 @@ from __future__ import annotations
 import copy
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from raydeck.cluster.node_env import NODE_ENV
 from raydeck.cluster.serve_ingress import node_env
 from raydeck.errors import ConfigError
 from raydeck.jobs.submission import (
@@ -123,14 +125,18 @@ class ClusterShape:
 def _pod_environment(options: KubeRayOptions, settings: Settings, *, head: bool,
                      k8s_auth: bool) -> list[dict[str, Any]]:
     """The environment of every Ray container: raydeck's settings (the credentials by
-    reference), Ray's token authentication and Serve's ingress."""
-    values = settings_env(settings, data_dir=CONTAINER_DATA_DIR,
-                          tracking_uri=options.tracking_uri, s3_endpoint=options.s3_endpoint)
-    env: list[dict[str, Any]] = [{"name": name, "value": value} for name, value in values.items()]
+    reference), Ray's token authentication, the variables of every Ray node and Serve's
+    ingress."""
+    env = _variables(settings_env(settings, data_dir=CONTAINER_DATA_DIR,
+                                  tracking_uri=options.tracking_uri,
+                                  s3_endpoint=options.s3_endpoint))
     env += credential_env(options.credentials, SECRET_SETTINGS_ENV, head=head)
-    env += [{"name": name, "value": value}
-            for name, value in node_env(options.haproxy_ingress).items()]
+    env += _variables({**NODE_ENV, **node_env(options.haproxy_ingress)})
     return env + _auth_environment(k8s_auth)
+
+
+def _variables(values: Mapping[str, str]) -> list[dict[str, Any]]:
+    return [{"name": name, "value": value} for name, value in values.items()]
 
 
 def _auth_environment(k8s_auth: bool) -> list[dict[str, Any]]:
@@ -139,8 +145,13 @@ def _auth_environment(k8s_auth: bool) -> list[dict[str, Any]]:
     clients in the pod send too."""
     token = ({"name": auth.K8S_TOKEN_FILE_ENV, "value": auth.SA_TOKEN_PATH} if k8s_auth else
              {"name": "RAY_AUTH_TOKEN_PATH", "value": f"{TOKEN_MOUNT['mountPath']}/token"})
-    return [{"name": "RAY_AUTH_MODE", "value": "token"}, token,
-            {"name": "RAY_USAGE_STATS_ENABLED", "value": "0"}]
+    return [{"name": "RAY_AUTH_MODE", "value": "token"}, token]
+
+
+def _ray_process_environment() -> list[dict[str, Any]]:
+    """A Ray process outside the node containers (the autoscaler, the job submitter): Ray's
+    token and the variables of every Ray node (:data:`NODE_ENV`)."""
+    return _auth_environment(False) + _variables(NODE_ENV)
 
 
 def _resources(cpu: str, memory: str, gpus: int = 0) -> dict[str, Any]:
@@ -232,7 +243,7 @@ def cluster_spec(options: KubeRayOptions, settings: Settings, shape: ClusterShap
         spec["authOptions"] = dict(auth.AUTH_OPTIONS)
     elif shape.autoscaling:
         # The autoscaler talks to the GCS too: it needs the token like every Ray process.
-        spec["autoscalerOptions"] = {"env": _auth_environment(False),
+        spec["autoscalerOptions"] = {"env": _ray_process_environment(),
                                      "volumeMounts": [dict(TOKEN_MOUNT)]}
     return {**spec, "headGroupSpec": head, "workerGroupSpecs": workers}
 
@@ -330,7 +341,7 @@ def _submitter_template(options: KubeRayOptions, k8s_auth: bool) -> dict[str, An
     if k8s_auth:
         spec["serviceAccountName"] = auth.service_account_name(options.name)
     else:
-        container.update(env=_auth_environment(False), volumeMounts=[dict(TOKEN_MOUNT)])
+        container.update(env=_ray_process_environment(), volumeMounts=[dict(TOKEN_MOUNT)])
         spec["volumes"] = [token_volume(options.secret)]
     return {"metadata": {"labels": dict(PART_OF_LABEL)}, "spec": spec}
 

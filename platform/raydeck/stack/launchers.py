@@ -20,6 +20,7 @@ from pathlib import Path
 
 import requests
 
+from raydeck.cluster import node_env
 from raydeck.cluster.serve_ingress import HAPROXY_PORT_ENVS, local_node_env
 from raydeck.config.settings import Settings, StorageSettings
 from raydeck.config.stack_credentials import Credentials
@@ -377,6 +378,8 @@ class RayHeadLauncher(Launcher):
                          if name in internal}
         return {
             **ctx.settings_env(), **ctx.ray_auth_env(), **ctx.raydeck_process_env(),
+            # What every Ray node raydeck starts carries (gRPC's fork handlers off).
+            **node_env.local_env(os.environ),
             # Serve's ingress: HAProxy unless the shell that ran `up` says
             # RAY_SERVE_ENABLE_HA_PROXY=0 (or this machine has no HAProxy).
             **local_node_env(os.environ, haproxy_ports),
