@@ -424,15 +424,13 @@ class JobQueue:
         queued = [_queued(r) for r in queued_rows if (r.retry_at is None or r.retry_at <= now)
                   and r.submission_id not in landing]
         active = self._store.jobs(*ACTIVE)
+        preempted_for = self._held_back(queued_rows, active)
         apps = self._serve.read()
         if not queued and not any(r.workers < r.max_workers for r in active) \
                 and not any(app.lowered for app in apps):
             return []  # nothing to start, and no elastic job or Serve ceiling that could grow
         if self._policy.name == "gittins":  # outside the lock: MLflow may be slow
             self._history.refresh(r.key for r in [*queued_rows, *active])
-        # Victims stay behind the job they were preempted for while it is queued.
-        preempted_for = rules.held_back({r.id: r.preempted_for for r in [*queued_rows, *active]},
-                                        {r.id for r in queued_rows})
         running = [_running(r, now) for r in active]
         free, total = self._free([*active, *(r for r in queued_rows if r.submission_id in landing)],
                                  apps)
@@ -488,6 +486,23 @@ class JobQueue:
             ceilings = self._make_room(waiting, preempted_for, running, free, now, apps)
         self._serve.bound(ceilings)  # Serve's API, outside the lock
         return started
+
+    def _held_back(self, queued_rows: list[JobRow], active: list[JobRow]) -> dict[str, str]:
+        """Victims stay behind the job they were preempted (or shrunk) for while it is queued
+        (:func:`~raydeck.scheduling.policies.preemption.held_back`): victim -> that job. A hold
+        whose job has left the queue since (started, or ended) is over for good, and is cleared
+        from its row here, as the simulator drops it from its map: kept, it would come back
+        when that job is queued again, and when that job was requeued as a victim of the held
+        job itself (their priorities turned), each would wait for the other, neither ever
+        starting (tests/scheduling/test_queue_model.py). Ticks run one at a time, and only a
+        tick writes ``preempted_for``."""
+        recorded = {r.id: r.preempted_for for r in [*queued_rows, *active] if r.preempted_for}
+        held = rules.held_back(recorded, {r.id for r in queued_rows})
+        if len(held) < len(recorded):
+            with self._lock:
+                for job_id in recorded.keys() - held.keys():
+                    self._store.update(job_id, preempted_for="")
+        return held
 
     def _make_room(self, waiting: list[QueuedJob], preempted_for: Mapping[str, str],
                    running: list[RunningJob], free: Capacity, now: float,

@@ -16,7 +16,7 @@ from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from raydeck.scheduling.policies.core import Resources
 
@@ -29,6 +29,13 @@ LAUNCHER_TIMEOUT_S = 30.0
 # Threads that may wait on a job server at once; a call beyond them waits for one (bounded too).
 _LAUNCHER_THREADS = 4
 _T = TypeVar("_T")
+# How a bounded call's answer is awaited: its result, or FutureTimeout once the bound passed.
+Await = Callable[["Future[Any]", float], Any]
+
+
+def _in_real_time(future: Future[Any], timeout_s: float) -> Any:
+    """The answer of ``future`` within ``timeout_s`` seconds of real time."""
+    return future.result(timeout=timeout_s)
 
 
 @dataclass(frozen=True)
@@ -121,11 +128,21 @@ class TimedLauncher(Launcher):
     call returns it is :meth:`submitting` (the queue keeps its room and does not submit it
     again), and after, the queue's next read of the job server takes it as started if it
     landed.
+
+    ``await_answer(future, timeout_s)`` returns the call's answer or raises
+    :class:`concurrent.futures.TimeoutError` when the call is past its bound: by default in real
+    time. A test's job server that knows when one of its calls hangs passes its own, so that a
+    hang, and only a hang, times out, at once: a run of the model-based test then replays
+    exactly (tests/fixtures/chaos_job_server.py).
     """
 
-    def __init__(self, launcher: Launcher, timeout_s: float = LAUNCHER_TIMEOUT_S) -> None:
+    def __init__(self, launcher: Launcher, timeout_s: float = LAUNCHER_TIMEOUT_S,
+                 await_answer: Await = _in_real_time) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r}: a call's bound must be positive seconds")
         self._launcher = launcher
         self._timeout_s = timeout_s
+        self._await = await_answer
         self._pool = ThreadPoolExecutor(_LAUNCHER_THREADS, thread_name_prefix="raydeck-launcher")
         self._submissions: dict[str, Future[None]] = {}
         self._submissions_lock = threading.Lock()
@@ -135,13 +152,14 @@ class TimedLauncher(Launcher):
         # (raydeck.scheduling.queue.job_server.QueueServer.hinted).
         future = self._pool.submit(contextvars.copy_context().run, call)
         try:
-            return future.result(timeout=self._timeout_s)
+            answer: _T = self._await(future, self._timeout_s)
         except FutureTimeout:
             if not future.cancel() and track:
                 with self._submissions_lock:  # it runs on: it may still land
                     self._submissions[track] = future  # type: ignore[assignment]
             raise LauncherTimeout(f"the job server did not answer {what} within "
                                   f"{self._timeout_s:g} s") from None
+        return answer
 
     def submit(self, row: JobRow, package: bytes | None) -> None:
         self._bounded(f"submitting {row.submission_id}",

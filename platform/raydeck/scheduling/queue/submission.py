@@ -119,9 +119,14 @@ class Submitter:
             return
         failures = row.submit_failures + 1
         retry_at = now + self.backoff.delay_s(failures)
+        # An elastic job waits at its minimum, except one whose submission may have landed:
+        # that attempt runs at the size it was submitted at, and keeps it, both when the queue
+        # adopts it and when it submits the same attempt again (the job server then answers a
+        # duplicate: started). Counted at its minimum, what it holds would be undercounted, and
+        # a job waiting on that room would wait for good: no victim frees what it does not hold.
         self.store.update(
             row.id, state="queued", started_at=None, submit_failures=failures,
-            retry_at=retry_at, **row.sized(),
+            retry_at=retry_at, **({} if failure.unanswered else row.sized()),
             reason=f"submission failed {failures}x ({failure.reason}); retried at "
                    f"{time.strftime('%H:%M:%S', time.localtime(retry_at))}")
         logger.warning("job %s: submission failed (%s); retrying in %.0f s", row.id,
