@@ -10,9 +10,11 @@ one tracking proxy, to one ``mlflow server`` (SQLite):
 - ``plain``: a driver and a Ray actor logging to one run (a shared run key).
 
 and injects 1-2 random faults at random moments of it: SIGKILL of a worker (a Train rank, the
-plain job's actor), SIGTERM of the driver, ``ray.kill`` of a shard or of the router (Ray restarts
-it, as after a crash), SIGKILL of the MLflow server (started again 1-4 s later), every CPU
-saturated by busy processes for a few seconds.
+plain job's actor), SIGTERM of the driver, ``ray.kill`` of a shard or of the router (``*_kill``:
+Ray restarts it, as after a crash; ``*_stop``: ``no_restart=True``, dead for good: the router
+creates a shard again, the next tracker that reaches for the router creates it), SIGKILL of the
+MLflow server (started again 1-4 s later), every CPU saturated by busy processes for a few
+seconds.
 
 A point is *acknowledged* when the delivery that carried it returned (the shard spooled it):
 each process writes "key step" to a file of the iteration after such a delivery, meaning
@@ -62,8 +64,8 @@ from tests.fixtures.tracking import measured_tracking_env  # noqa: E402
 logger = logging.getLogger("tracking_chaos")
 
 JOBS = ("train", "lightning", "plain")
-FAULTS = ("worker_sigkill", "driver_sigterm", "shard_kill", "router_kill", "mlflow_sigkill",
-          "cpu_stress")
+FAULTS = ("worker_sigkill", "driver_sigterm", "shard_kill", "router_kill", "shard_stop",
+          "router_stop", "mlflow_sigkill", "cpu_stress")
 STEPS = 120  # per logging process
 ACK_EVERY = 10
 STEP_PAUSE_S = 0.03
@@ -291,15 +293,16 @@ class Chaos:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 return False
-        elif kind in ("shard_kill", "router_kill"):
+        elif kind in ("shard_kill", "router_kill", "shard_stop", "router_stop"):
             try:
-                actor = (get_shard(self.namespace, 0) if kind == "shard_kill"
+                actor = (get_shard(self.namespace, 0) if kind.startswith("shard")
                          else find_router(self.namespace))
             except ValueError:
                 actor = None
             if actor is None:
                 return False
-            ray.kill(actor, no_restart=False)  # a crash: Ray restarts it
+            # _kill: a crash, Ray restarts it; _stop: dead for good, created again by raydeck.
+            ray.kill(actor, no_restart=kind.endswith("_stop"))
         elif kind == "mlflow_sigkill":
             with self._server_lock:
                 if not self.server.alive():

@@ -9,6 +9,8 @@ started here:
   (d) raydeck end to end: 2 and 4 Ray workers logging to one run as fast as they can, timed
       until every point is in MLflow (``finish()`` returned), through the server;
   (f) ``log_batch`` x1000 from one client through MLflow's own SQL store (no server);
+  (h) the same through raydeck's bulk write into that store (what a direct shard's writer
+      calls, ``raydeck.tracking.proxy.sql_batch``), with its CPU per point;
   (g) the same as (d) on the direct path: the shards write the server's database through
       MLflow's SQL store (``RAYDECK_TRACKING_WRITE_DB``), the server keeps reads and files.
 And once: (e) the caller-side cost of one ``log_metrics`` call with one value, against one
@@ -61,11 +63,13 @@ def rest_per_point(uri: str, run_id: str) -> float:
     return REST_POINTS / (time.perf_counter() - started)
 
 
-def _log_batches(uri: str, run_id: str, key: str, calls: int) -> None:
+def _log_batches(uri: str, run_id: str, key: str, calls: int, bulk: bool = False) -> None:
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(uri)
+    from raydeck.tracking.proxy.sql_batch import SqlBatchWriter
+
+    client: Any = SqlBatchWriter.for_uri(uri) if bulk else MlflowClient(uri)
     now = int(time.time() * 1000)
     for call in range(calls):
         client.log_batch(run_id, metrics=[
@@ -88,6 +92,19 @@ def log_batch_rate(uri: str, run_id: str, clients: int) -> float:
     for process in processes:
         process.join()
     return clients * BATCH_CALLS * BATCH_SIZE / (time.perf_counter() - started)
+
+
+def bulk_rate(uri: str, run_id: str) -> tuple[float, float]:
+    """Points/s and CPU microseconds per point of one client's BATCH_CALLS x BATCH_SIZE points
+    through raydeck's bulk write (this process; the store opened before the clock starts)."""
+    from raydeck.tracking.proxy.sql_batch import SqlBatchWriter
+
+    SqlBatchWriter.for_uri(uri)
+    started, cpu = time.perf_counter(), time.process_time()
+    _log_batches(uri, run_id, "bulk", BATCH_CALLS, bulk=True)
+    points = BATCH_CALLS * BATCH_SIZE
+    return (points / (time.perf_counter() - started),
+            (time.process_time() - cpu) / points * 1e6)
 
 
 def raydeck_end_to_end(settings: Any, workers: int, points_per_worker: int
@@ -178,6 +195,7 @@ def bench_backend(name: str, server: MlflowServer, root: Path, points: int, db_u
     results = {w: raydeck_end_to_end(settings, w, points) for w in (2, 4)}
     stop_proxy(settings.ray_namespace, 60)
     direct_single = log_batch_rate(db_uri, run_id, 1)
+    bulk_single, bulk_cpu_us = bulk_rate(db_uri, run_id)
     direct = dataclasses.replace(
         settings, ray_namespace=f"raydeck-bench-{uuid.uuid4().hex[:6]}",
         data_dir=root / "data-direct",
@@ -198,6 +216,8 @@ def bench_backend(name: str, server: MlflowServer, root: Path, points: int, db_u
                      f"{rate / rest:.0f}x (a); {worker_us:.1f} us/call in workers"))
     rows.append((f"[{name}] (f) log_batch x1000, 1 client, MLflow's SQL store",
                  f"{direct_single:,.0f} points/s", f"{direct_single / single:.2f}x (b)"))
+    rows.append((f"[{name}] (h) the same, raydeck's bulk write", f"{bulk_single:,.0f} points/s",
+                 f"{bulk_single / direct_single:.2f}x (f); {bulk_cpu_us:.1f} us CPU/point"))
     for workers, (rate, worker_us) in direct_results.items():
         rows.append((f"[{name}] (g) raydeck direct, {workers} Ray workers",
                      f"{rate:,.0f} points/s",

@@ -5,6 +5,8 @@ PostgreSQL stopped and started again under the shard's writers, a SQLite file lo
 writer for longer than MLflow's busy timeout, a database at another MLflow schema revision, and
 an http(s) server's own database named by ``[tracking].write_db``. Every one lands exact counts
 (each step once) with nothing set aside, or, for the schema, writes nothing until it matches.
+The bulk write (:mod:`~raydeck.tracking.proxy.sql_batch`) leaves the rows MLflow's own
+``SqlAlchemyStore.log_batch`` leaves, on SQLite and PostgreSQL.
 """
 
 from __future__ import annotations
@@ -66,8 +68,10 @@ def _assert_exact(uri: str, core: ShardCore, key: str, steps: range) -> None:
     assert all(m.value == float(m.step) for m in history)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def postgres() -> Iterator[Any]:
+    """One server for the module's tests (each uses runs of its own; the restart test leaves it
+    started)."""
     from raydeck.errors import StackError
     from tests.fixtures.postgres import PostgresServer
 
@@ -310,3 +314,84 @@ def test_the_proxys_actors_write_directly_and_status_says_so(
             mlflow_server.uri, mlflow_server.backend_store_uri)]
     finally:
         stop_proxy(settings.ray_namespace, 60)
+
+
+def _tricky_chunks() -> list[list[Any]]:
+    """Two chunks with what MLflow treats specially: NaN (twice at one point), +-inf, a point
+    repeated, steps out of order, ties on (step, timestamp) and on (step, timestamp, value)
+    between NaN and 0.0, in both orders, and a later chunk that moves some latest values and not
+    others."""
+    from mlflow.entities import Metric
+
+    nan, inf = float("nan"), float("inf")
+    first = [("loss", 1.0, 100, 2), ("loss", 0.5, 100, 1), ("loss", nan, 200, 3),
+             ("loss", nan, 200, 3), ("loss", 2.0, 200, 3), ("loss", 1.0, 100, 2),
+             ("acc", inf, 50, 5), ("acc", -inf, 50, 5), ("acc", 0.9, 60, 5),
+             ("acc", 0.0, 70, 7), ("acc", nan, 70, 7), ("g", nan, 10, 1), ("g", 0.0, 10, 1),
+             ("g", -inf, 10, 1)]
+    second = [("loss", 0.1, 50, 0), ("acc", inf, 80, 9), ("g", -1.0, 5, 1), ("new", 3.0, 1, 1),
+              ("g", 0.0, 10, 1)]
+    return [[Metric(k, v, ts, step) for k, v, ts, step in chunk] for chunk in (first, second)]
+
+
+def _stored(uri: str, run_id: str) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """The run's ``metrics`` and ``latest_metrics`` rows, as MLflow's own tables read them."""
+    import sqlalchemy
+    from mlflow.store.tracking.dbmodels.models import SqlLatestMetric, SqlMetric
+    from sqlalchemy.pool import NullPool
+
+    engine = sqlalchemy.create_engine(uri, poolclass=NullPool)
+    try:
+        with engine.connect() as connection:
+            metrics, latest = (sorted(
+                tuple(row) for row in connection.execute(sqlalchemy.select(
+                    table.c.key, table.c.value, table.c.timestamp, table.c.step,
+                    table.c.is_nan).where(table.c.run_uuid == run_id)))
+                for table in (SqlMetric.__table__, SqlLatestMetric.__table__))
+            return metrics, latest
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("database", ["sqlite", "postgresql"])
+def test_the_bulk_write_leaves_the_rows_mlflows_own_log_batch_leaves(
+    database: str, request: pytest.FixtureRequest
+) -> None:
+    """Each chunk written twice (a writer's replay after a crash): the bulk run and the run that
+    MLflow's ``SqlAlchemyStore.log_batch`` wrote hold the same metrics and latest_metrics rows,
+    the same params and tags, and a refused batch gets MLflow's own error."""
+    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    from raydeck.tracking.proxy.sql_batch import SqlBatchWriter
+
+    # The session's server's database (SQLite, migrated once) or the module's PostgreSQL.
+    uri = (request.getfixturevalue("mlflow_server").backend_store_uri if database == "sqlite"
+           else _postgres_uri(request.getfixturevalue("postgres")))
+    client = MlflowClient(uri)
+    experiment = client.create_experiment(f"bulk-{uuid.uuid4().hex[:8]}")
+    bulk_run, mlflow_run = (client.create_run(experiment).info.run_id for _ in range(2))
+    bulk = SqlBatchWriter.for_uri(uri)
+    assert bulk is not None
+    params, tags = [Param("lr", "0.1")], [RunTag("stage", "a"), RunTag("stage", "b")]
+    for chunk in _tricky_chunks() * 2:
+        bulk.log_batch(bulk_run, chunk, params, tags)
+        bulk.store.log_batch(mlflow_run, chunk, params, tags)
+    metrics, latest = _stored(uri, bulk_run)
+    assert (metrics, latest) == _stored(uri, mlflow_run)
+    assert len(metrics) == 16 and len(latest) == 4  # each point once; one latest a key
+    assert ("g", 0.0, 10, 1, True) in latest  # the NaN came first: a tie keeps it
+    runs = [client.get_run(run_id).data for run_id in (bulk_run, mlflow_run)]
+    assert runs[0].params == runs[1].params == {"lr": "0.1"}
+    assert runs[0].tags["stage"] == runs[1].tags["stage"] == "b"
+    refused = [Metric("ok", 1.0, 1, 1), Metric("bad", 1.0, -1, 1)]
+    errors = []
+    for write in (bulk.log_batch, bulk.store.log_batch):
+        with pytest.raises(MlflowException) as error:
+            write(bulk_run, refused, [], [])
+        errors.append(str(error.value))
+    assert errors[0] == errors[1] and "metrics[1].timestamp" in errors[0]
+    with pytest.raises(MlflowException, match="Changing param values is not allowed"):
+        bulk.log_batch(bulk_run, refused[:1], [Param("lr", "0.2")], [])

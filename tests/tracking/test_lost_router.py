@@ -12,6 +12,11 @@ Two interleavings that left runs RUNNING or a tracker without a proxy on a loade
 Each is triggered here deterministically: by holding an attach in flight (the router's logic,
 with an MLflow look-up that waits for the test), or by handing the tracker the late heartbeat
 answer at the moment the race gives it (real Ray actors, real MLflow server).
+
+And two a dead or unreachable shard caused: a shard killed for good was never created again
+(the router and its trackers kept calling the dead actor: its runs' data waited for ever), and
+a run's end decided while its shard was unreachable lived only in the router's memory, so a
+router dying then lost it (the run stayed RUNNING).
 """
 
 from __future__ import annotations
@@ -164,7 +169,6 @@ def test_the_router_restarted_while_a_tracker_logs_then_finish(
     import ray
     from mlflow.tracking import MlflowClient
 
-    import raydeck
     from raydeck.tracking.proxy.actors import find_router, stop_proxy
 
     # Heartbeats only where the test places them: the interleaving is the test's, not luck's.
@@ -173,11 +177,8 @@ def test_the_router_restarted_while_a_tracker_logs_then_finish(
                                  capture_logs=False)
     namespace = settings.ray_namespace
     try:
-        tracker = raydeck.get_tracker(run_name=f"router-restarted-{uuid.uuid4().hex[:6]}",
-                                      settings=settings)
+        tracker = _tracker_with_steps(settings, "router-restarted", "x", range(300))
         key = tracker.run_key
-        for step in range(300):
-            tracker.log_metric("x", float(step), step=step)
         tracker.flush()
         old = find_router(namespace)
         assert old is not None
@@ -188,8 +189,7 @@ def test_the_router_restarted_while_a_tracker_logs_then_finish(
         participants = 1 if membership == "kept" else None
         wait_until(lambda: _answers(namespace) and _router_run(namespace, key).get(
             "participants") == participants, 120, "the router restarted")
-        for step in range(300, 600):
-            tracker.log_metric("x", float(step), step=step)
+        _log_steps(tracker, "x", range(300, 600))
         tracker.flush()
         delivery = tracker._open_delivery
         router = find_router(namespace)
@@ -241,17 +241,13 @@ def test_a_run_whose_primary_left_ends_when_its_killed_worker_is_found_after_a_r
     class Worker:
         def log(self, run_key: str, settings: Any) -> int:
             tracker = raydeck.get_tracker(run_key, settings=settings)
-            for step in range(50):
-                tracker.log_metric("worker", float(step), step=step)
+            _log_steps(tracker, "worker", range(50))
             tracker.flush()
             return os.getpid()
 
     try:
-        tracker = raydeck.get_tracker(run_name=f"primary-left-{uuid.uuid4().hex[:6]}",
-                                      settings=settings)
+        tracker = _tracker_with_steps(settings, "primary-left", "driver", range(50))
         key = tracker.run_key
-        for step in range(50):
-            tracker.log_metric("driver", float(step), step=step)
         worker = Worker.remote()  # type: ignore[attr-defined]
         pid = ray.get(worker.log.remote(key, settings), timeout=120)
         assert _router_run(namespace, key)["participants"] == 2
@@ -283,3 +279,135 @@ def _answers(namespace: str) -> bool:
             ray.get(router.status.remote(), timeout=10), dict)
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return False
+
+
+def _log_steps(tracker: Any, metric: str, steps: range) -> None:
+    """``metric`` = step at each of ``steps``: any value lost or written twice shows."""
+    for step in steps:
+        tracker.log_metric(metric, float(step), step=step)
+
+
+def _tracker_with_steps(settings: Any, name: str, metric: str, steps: range) -> Any:
+    """A tracker of a new run ``name-<random>`` that logged ``metric`` at ``steps``."""
+    import raydeck
+
+    tracker = raydeck.get_tracker(run_name=f"{name}-{uuid.uuid4().hex[:6]}", settings=settings)
+    _log_steps(tracker, metric, steps)
+    return tracker
+
+
+@pytest.mark.timeout(300)
+def test_a_shard_killed_for_good_is_created_again_and_its_run_lands_exactly_once(
+        tmp_path: Path, ray_cluster: None, mlflow_server: MlflowServer) -> None:
+    """The run's shard killed with ``no_restart`` between two halves of the logging: Ray
+    never restarts it, so the router creates it again (same name, same spool); the tracker
+    finds it when it attaches again, and the run ends FINISHED with every step once.
+
+    A process attaching to the run at once, while the shard is dead (the chaos soak's plain
+    job, seed 5300033: its actor's ``get_tracker`` raised), finds the shard too."""
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from raydeck.tracking.client.attach import attach_guest
+    from raydeck.tracking.proxy.actors import get_shard, stop_proxy
+
+    settings = isolated_settings(tmp_path, mlflow_server.uri, shards=1,
+                                 system_metrics_interval_s=0.0, capture_logs=False)
+    try:
+        tracker = _tracker_with_steps(settings, "shard-killed", "x", range(300))
+        tracker.flush()  # spooled by the shard, maybe not yet written to MLflow
+        ray.kill(get_shard(settings.ray_namespace, 0), no_restart=True)
+        guest = attach_guest(tracker.run_key, settings)
+        _log_steps(guest, "guest", range(50))
+        guest.finish()
+        _log_steps(tracker, "x", range(300, 600))
+        assert tracker.finish().landed
+        client = MlflowClient(mlflow_server.uri)
+        assert client.get_run(tracker.run_id).info.status == "FINISHED"
+        assert metric_steps(client, tracker.run_id, "x") == list(range(600))
+        assert metric_steps(client, tracker.run_id, "guest") == list(range(50))
+    finally:
+        stop_proxy(settings.ray_namespace, 30)
+
+
+@pytest.mark.timeout(300)
+def test_a_runs_end_decided_while_its_shard_is_unreachable_survives_the_routers_death(
+        tmp_path: Path, ray_cluster: None, mlflow_server: MlflowServer) -> None:
+    """The run's end is decided while its shard is unreachable, then the router dies: the
+    restarted router still delivers the end once the shard is back; the run ends FINISHED.
+
+    Held, not raced: the router is stopped for good first (no revival can intervene), the
+    shard killed, and its name taken by an actor that refuses every call; a new router is
+    created for the tracker's detach. Ray restarts that router after ``ray.kill``; then the
+    test frees the shard's name and the restarted router creates the shard again."""
+    import ray
+    from mlflow.tracking import MlflowClient
+
+    from raydeck.tracking.client import lifecycle
+    from raydeck.tracking.proxy.actors import find_router, get_shard, shard_name, stop_proxy
+
+    @ray.remote(num_cpus=0)
+    class Unreachable:
+        """Holds a shard's name and takes no run update: the shard is unreachable."""
+
+        def ping(self) -> bool:
+            raise ConnectionError("held unreachable by the test")
+
+        def control(self, run_key: str, kind: str, payload: Any) -> None:
+            raise ConnectionError("held unreachable by the test")
+
+        def resolve(self, run_key: str, timeout_s: float) -> None:
+            return None  # as a shard that cannot reach MLflow yet
+
+        def stats(self) -> dict[str, Any]:
+            return {"index": 0, "state": "held unreachable by the test"}
+
+    settings = isolated_settings(tmp_path, mlflow_server.uri, shards=1,
+                                 heartbeat_interval_s=3600.0, system_metrics_interval_s=0.0,
+                                 capture_logs=False)
+    namespace = settings.ray_namespace
+    client = MlflowClient(mlflow_server.uri)
+    tracker = _tracker_with_steps(settings, "end-unreachable", "x", range(50))
+    try:
+        tracker.flush()
+        run_id = tracker.run_id  # asked now: the shard that knows it is held away below
+        wait_until(lambda: metric_steps(client, run_id, "x") == list(range(50)), 60,
+                   "the steps written")
+        router = find_router(namespace)
+        assert router is not None
+        ray.kill(router, no_restart=True)
+        ray.kill(get_shard(namespace, 0), no_restart=True)
+        wait_until(lambda: _name_free(namespace), 30, "the shard's name freed")
+        holder = Unreachable.options(  # type: ignore[attr-defined]
+            name=shard_name(0), namespace=namespace, lifetime="detached").remote()
+        # The finish's own detach: the tracker attaches to a new router, which decides the end
+        # and cannot hand it to the shard.
+        delivery = tracker._open_delivery
+        assert delivery.detach("FINISHED", time.monotonic() + 60) == [tracker.run_key]
+        assert _router_run(namespace, tracker.run_key)["state"] == "ended"
+        router = find_router(namespace)
+        assert router is not None
+        ray.kill(router, no_restart=False)
+        wait_until(lambda: _answers(namespace), 60, "the router restarted")
+        assert client.get_run(run_id).info.status == "RUNNING"
+        ray.kill(holder, no_restart=True)  # the shard reachable again: created anew
+        wait_until(lambda: client.get_run(run_id).info.status != "RUNNING", 60,
+                   "the run's end written")
+        assert client.get_run(run_id).info.status == "FINISHED"
+        assert metric_steps(client, run_id, "x") == list(range(50))
+    finally:
+        lifecycle.forget(tracker)
+        tracker._open_delivery.close()
+        stop_proxy(namespace, 30)
+
+
+def _name_free(namespace: str) -> bool:
+    import ray
+
+    from raydeck.tracking.proxy.actors import shard_name
+
+    try:
+        ray.get_actor(shard_name(0), namespace=namespace)
+    except ValueError:
+        return True
+    return False

@@ -2,7 +2,9 @@
 
 The proxy is one router and ``RAYDECK_TRACKING_SHARDS`` shards, named detached actors in
 raydeck's Ray namespace, created race-free (``get_if_exists``) by whichever process needs them
-first and restarted by Ray if they die. They run on the head node, where their spool survives a
+first and restarted by Ray if they die; one dead for good (``ray.kill`` with ``no_restart``) is
+created again: a shard by the router (:mod:`~raydeck.tracking.proxy.shard_pool`), the router by
+the next tracker that reaches for it. They run on the head node, where their spool survives a
 restart, and take no CPU. Each has two concurrency groups (``io`` for calls that never wait,
 ``wait`` for calls that block until something happened), so a tracker waiting in ``finish()``
 never holds the thread another tracker's ``ingest`` or heartbeat needs.
@@ -33,6 +35,7 @@ from raydeck.tracking.proxy.outbox import Control
 from raydeck.tracking.proxy.router import REAP_INTERVAL_S, RouterCore
 from raydeck.tracking.proxy.run_lookup import MlflowLookup
 from raydeck.tracking.proxy.shard_actor import Shard
+from raydeck.tracking.proxy.shard_pool import ShardPool
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +44,7 @@ SHARD_NAME_PREFIX = "raydeck-shard-"
 STATS_TIMEOUT_S = 10.0
 CONTROL_TIMEOUT_S = 10.0
 RESOLVE_AT_ATTACH_S = 3.0
+SHARD_LOOKUP_S = 10.0
 CONCURRENCY_GROUPS = {"io": 32, "wait": 64}
 ACTOR_OPTIONS: dict[str, Any] = {
     "lifetime": "detached",
@@ -91,18 +95,7 @@ class Router:
 
     def __init__(self, config: ProxyConfig) -> None:
         self.config = config
-        shard_actor = _actor_class(Shard)
-        self.shards: list[Any] = [
-            shard_actor.options(name=shard_name(i), namespace=config.namespace,
-                                **ACTOR_OPTIONS).remote(
-                ShardConfig(index=i, tracking_uri=config.tracking_uri,
-                            spool_dir=f"{config.spool_dir}/shard-{i}", fsync=config.fsync,
-                            writers=config.writers, mlflow_timeout_s=config.mlflow_timeout_s,
-                            retry_max_s=config.retry_max_s, env=config.env,
-                            write_uri=config.write_uri)
-            )
-            for i in range(config.shards)
-        ]
+        self.shards = ShardPool(config.shards, self._create_shard)
         # Membership on the head's disk beside the spools: a restarted router knows its runs.
         self.core = RouterCore(config, self._send,
                                MlflowLookup(config.tracking_uri, config.mlflow_timeout_s),
@@ -113,13 +106,30 @@ class Router:
         threading.Thread(target=self._reap_forever, name="raydeck-router-reaper",
                          daemon=True).start()
 
+    def _create_shard(self, index: int) -> Any:
+        """Shard ``index``'s actor: found by name if it runs, else created (with its spool)."""
+        config = self.config
+        return _shard_actor.options(name=shard_name(index), namespace=config.namespace,
+                                    **ACTOR_OPTIONS).remote(
+            ShardConfig(index=index, tracking_uri=config.tracking_uri,
+                        spool_dir=f"{config.spool_dir}/shard-{index}", fsync=config.fsync,
+                        writers=config.writers, mlflow_timeout_s=config.mlflow_timeout_s,
+                        retry_max_s=config.retry_max_s, env=config.env,
+                        write_uri=config.write_uri))
+
     def _send(self, control: Control) -> None:
-        ray.get(self.shards[control.shard_index].control.remote(
-            control.run_key, control.kind, control.payload), timeout=CONTROL_TIMEOUT_S)
+        shard = self.shards[control.shard_index]
+        try:
+            ray.get(shard.control.remote(control.run_key, control.kind, control.payload),
+                    timeout=CONTROL_TIMEOUT_S)
+        except ray.exceptions.ActorDiedError:
+            self.shards.revive(control.shard_index, shard)  # the outbox's retry finds it
+            raise
 
     @ray.method(concurrency_group="wait")
     def attach(self, request: AttachRequest) -> RunBinding:
         binding = self.core.attach(request)
+        self.shards.ensure(binding.shard_index)  # the tracker looks it up by name next
         if not binding.run_id:
             # MLflow answering: the shard creates the run within milliseconds; answer with its
             # id (silent ranks too: their metrics and logs are labelled with it). MLflow down:
@@ -173,7 +183,7 @@ class Router:
         return {"runs": runs, "shards": shards, "outbox": self.core.outbox.size()}
 
     def _shard_stats(self) -> list[dict[str, Any]]:
-        refs = [shard.stats.remote() for shard in self.shards]
+        refs = [shard.stats.remote() for shard in self.shards.all()]
         stats = []
         for index, ref in enumerate(refs):
             try:
@@ -203,7 +213,7 @@ class Router:
         return drained
 
     def _stop_all(self) -> None:
-        for shard in self.shards:
+        for shard in self.shards.close():
             ray.kill(shard, no_restart=True)
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
@@ -211,6 +221,7 @@ class Router:
         while True:
             time.sleep(REAP_INTERVAL_S)
             try:
+                self.shards.check()
                 idle = self.core.reap()
                 self.metrics.set_active_runs(self.core.active_runs)
                 # claim_stop checks again, atomically with attaches: one that came while the
@@ -225,6 +236,7 @@ class Router:
                 logger.exception("router reaper failed; retrying")
 
 
+_shard_actor = _actor_class(Shard)
 _router_actor = _actor_class(Router)
 
 
@@ -263,7 +275,21 @@ def stop_proxy(namespace: str, drain_timeout_s: float) -> bool | None:
 
 
 def get_shard(namespace: str, index: int) -> Any:
-    return ray.get_actor(shard_name(index), namespace=namespace)
+    """Shard ``index``'s handle. A shard dead for good is created again by the router within
+    moments (:mod:`raydeck.tracking.proxy.shard_pool`): the lookup waits for it up to
+    ``SHARD_LOOKUP_S``.
+
+    Raises:
+        ValueError: no shard of that name (the proxy is not running) after that wait.
+    """
+    deadline = time.monotonic() + SHARD_LOOKUP_S
+    while True:
+        try:
+            return ray.get_actor(shard_name(index), namespace=namespace)
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
 
 
 def wait_runs_landed(namespace: str, run_keys: list[str], timeout_s: float) -> str:

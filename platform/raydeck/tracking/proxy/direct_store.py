@@ -2,8 +2,9 @@
 
 MLflow's ``SqlAlchemyStore`` is the code ``mlflow server`` runs behind its HTTP and JSON layer;
 MLflow's client takes a database URI as its tracking URI, so writing through it is a supported
-path. Without the server in the way a shard lands about 3x as many points a second
-(``benchmarks/tracking_ingest.py``). The price: the server's auth and request plugins never see
+path. Without the server in the way, and with a chunk's metrics written in bulk, the shards
+landed 9-17x the server's concurrent ``log_batch`` ceiling (``benchmarks/tracking_ingest.py``,
+docs/scale.md). The price: the server's auth and request plugins never see
 these writes (docs/tracking-contract.md).
 
 Owns: which URI the shards write to (:func:`write_target`: the tracking URI when it is a
@@ -13,7 +14,8 @@ database, else ``[tracking].write_db`` for an http(s) server, else the server), 
 whose MLflow schema revision is not the installed MLflow's is refused, never written into), and
 which database errors are passing ones (:func:`transient_db_failure`: a restart, a lock, a lost
 connection). Does not own the writes themselves
-(:class:`~raydeck.tracking.proxy.writer.MlflowWriter`) nor retries (the shard).
+(:class:`~raydeck.tracking.proxy.writer.MlflowWriter`; a chunk's metrics in bulk,
+:mod:`~raydeck.tracking.proxy.sql_batch`) nor retries (the shard).
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 Owns: :class:`Control` (one run update for one shard: ``open``, ``tags`` or ``end``) and
 :class:`Outbox`, which sends updates as the router decides them and keeps those a shard could
 not take, in order per run, until a retry gets them through. Does not own: deciding the updates
-(:mod:`raydeck.tracking.proxy.router`) or the call itself (the ``send`` the proxy injects).
+(:mod:`raydeck.tracking.proxy.router`), the call itself (the ``send`` the proxy injects) or
+keeping them on disk across a router's restart (:mod:`raydeck.tracking.proxy.membership`; this
+reports each one a shard took, ``on_sent``, and takes back a predecessor's, ``resume``).
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Control:
-    """A run update for a shard: ``open`` (an :class:`OpenRun`), ``tags`` or ``end``."""
+    """A run update for a shard: ``open`` (an :class:`OpenRun`), ``tags`` or ``end``;
+    ``journal_id``: its row in the router's store, once kept there."""
 
     shard_index: int
     run_key: str
     kind: str
     payload: Any
+    journal_id: int | None = None
 
 
 Sender = Callable[[Control], None]
@@ -37,10 +41,16 @@ class Outbox:
     called under the router's lock (a slow shard must not stall attaches or heartbeats).
     """
 
-    def __init__(self, send: Sender) -> None:
+    def __init__(self, send: Sender, on_sent: Callable[[Control], None]) -> None:
         self._send = send
+        self._on_sent = on_sent
         self._lock = threading.Lock()
         self._waiting: list[Control] = []
+
+    def resume(self, controls: list[Control]) -> None:
+        """Take the updates a previous router left unsent: they wait, first, for ``retry``."""
+        with self._lock:
+            self._waiting = list(controls) + self._waiting
 
     def deliver(self, controls: list[Control]) -> None:
         with self._lock:
@@ -68,6 +78,8 @@ class Outbox:
                                    control.kind)
                 self._waiting.append(control)
                 blocked.add(control.run_key)
+                continue
+            self._on_sent(control)
 
     def size(self) -> int:
         with self._lock:

@@ -9,12 +9,13 @@ reopening and ending a run are *entities* the router hands to the run's shard (:
 data, when MLflow answers. So attaching works while MLflow is down or slow, and no MLflow call
 ever runs under the router's lock (a slow server never delays a heartbeat).
 
-Membership of open runs is written through to the head's disk
-(:class:`~raydeck.tracking.proxy.membership.MembershipStore`): a router Ray restarted starts with
-its predecessor's, so a run whose remaining processes died meanwhile still ends. Beyond that,
-state is soft: a router that has no membership rebuilds a run from MLflow (the
-``raydeck.run_key`` tag) when a tracker re-attaches, and trackers re-attach when a heartbeat is
-not recognised.
+Membership of open runs, and every run update decided with it until a shard took it, is written
+through to the head's disk (:class:`~raydeck.tracking.proxy.membership.MembershipStore`): a
+router Ray restarted starts with its predecessor's, so a run whose remaining processes died
+meanwhile still ends, and an end decided while its shard was unreachable is still delivered.
+Beyond that, state is soft: a router that has no membership rebuilds a run from MLflow (the
+``raydeck.run_key`` tag) when a tracker re-attaches, and trackers re-attach when a heartbeat
+is not recognised.
 
 Rules:
 - Run key: explicit key > the Ray Train run name (when that name is bound to a run, or when the
@@ -55,13 +56,8 @@ from typing import Any
 from raydeck._internal.redaction import redact_text
 from raydeck.config.settings import RUN_KEY_PATTERN
 from raydeck.errors import ConfigError, TrackingUnavailableError
-from raydeck.tracking.messages import (
-    AttachRequest,
-    OpenRun,
-    ProcessInfo,
-    ProxyConfig,
-    RunBinding,
-)
+from raydeck.tracking.messages import AttachRequest, ProcessInfo, ProxyConfig, RunBinding
+from raydeck.tracking.proxy.bindings import binding, guest_binding, open_child, open_run
 from raydeck.tracking.proxy.membership import MembershipStore, Participant, Run
 from raydeck.tracking.proxy.outbox import Control, Outbox, Sender
 from raydeck.tracking.proxy.run_lookup import Lookup, looks_like_run_id
@@ -71,7 +67,6 @@ logger = logging.getLogger(__name__)
 REAP_INTERVAL_S = 1.0
 # A participant silent for this many heartbeat intervals is a suspect: Ray is asked about it.
 SUSPECT_AFTER_BEATS = 2.5
-RANK_TAGS = ("raydeck.rank", "raydeck.node", "raydeck.role")
 # Clients that left (detach) whose late heartbeats are not answered "unknown" (that answer makes
 # a tracker attach again); the oldest are forgotten first.
 MAX_DEPARTED = 10_000
@@ -90,7 +85,7 @@ class RouterCore:
     def __init__(self, config: ProxyConfig, send: Sender, lookup: Callable[[str, str], Lookup],
                  gone: Liveness, store: MembershipStore | None = None) -> None:
         self.config = config
-        self.outbox = Outbox(send)
+        self.outbox = Outbox(send, self._sent)
         self._lookup = lookup
         self._gone = gone
         self._lock = threading.RLock()
@@ -116,9 +111,13 @@ class RouterCore:
             for client_id in run.participants:
                 self._by_client[client_id] = run.key
             self._idle_since = None
-        if self._runs:
-            logger.info("router restarted with %d open run(s) of its predecessor",
-                        len(self._runs))
+        # Its updates no shard took (an end decided while the run's shard was unreachable):
+        # sent again, first, by the reaper's next retry.
+        unsent = store.load_controls() if store is not None else []
+        self.outbox.resume(unsent)
+        if self._runs or unsent:
+            logger.info("router restarted with %d open run(s) and %d unsent run update(s) of "
+                        "its predecessor", len(self._runs), len(unsent))
 
     # --- attach ------------------------------------------------------------------------------
     def attach(self, request: AttachRequest) -> RunBinding:
@@ -177,12 +176,13 @@ class RouterCore:
             if request.guest:
                 # A guest of a run this router does not hold: nothing to join or open; the
                 # run's shard finds the run in MLflow for the guest's writes.
-                return self._guest_binding(_run_record(key, request, found), request)
+                return guest_binding(_run_record(key, request, found), request,
+                                     self.shard_of(key))
             with self._lock:
                 run = self._runs.get(key) or self._new_run(key, request, found)
         with self._lock:
             if request.guest:
-                return self._guest_binding(run, request)
+                return guest_binding(run, request, self.shard_of(run.key))
             if process.train_run_name and process.train_run_name != key:
                 self._aliases[process.train_run_name] = key
             # Logging after the end reopens the run (the next finish ends it again), but a rank
@@ -195,14 +195,14 @@ class RouterCore:
                 run.primary = None
                 run.primary_status = None
                 run.outcome = None
-            controls = self._open_controls(run)
-            binding, child_open = self._join(run, request)
+            controls = open_run(run, self.config.artifact_location, self.shard_of(run.key))
+            bound, child_open = self._join(run, request)
             if child_open is not None:
                 controls.append(child_open)
             self._idle_since = None
-            self._keep([run])
+            controls = self._keep([run], controls)
         self.outbox.deliver(controls)
-        return binding
+        return bound
 
     def _resolve_key(self, request: AttachRequest) -> str:
         if request.run_key:
@@ -227,24 +227,6 @@ class RouterCore:
         run = self._runs[key] = _run_record(key, request, found)
         return run
 
-    def _guest_binding(self, run: Run, request: AttachRequest) -> RunBinding:
-        """A guest's binding: the run's, as a process that is not a participant sees it (a
-        silent rank of a ``rank_zero`` run writes nothing, as a participant would)."""
-        silent = run.mode == "rank_zero" and not request.process.is_primary_candidate
-        return self._binding(run, request, active=not silent)
-
-    def _open_controls(self, run: Run) -> list[Control]:
-        if not run.needs_open:
-            return []
-        run.needs_open = False
-        tags = {"raydeck.created_by": run.created_by_role}
-        if run.job_id:
-            tags["raydeck.ray_job_id"] = run.job_id
-        spec = OpenRun(key=run.key, name=run.name, experiment=run.experiment,
-                       artifact_location=self.config.artifact_location, mode=run.mode,
-                       tags=tags, parent_key=run.parent_key)
-        return [Control(self.shard_of(run.key), run.key, "open", spec)]
-
     def shard_of(self, root_key: str) -> int:
         """A run, its per-rank children and all their data share one shard (order holds)."""
         return zlib.crc32(root_key.encode()) % self.config.shards
@@ -258,7 +240,7 @@ class RouterCore:
             if participant.process.role_key == process.role_key and client_id != request.client_id:
                 self._drop(run, client_id, replaced=True)
         if run.mode == "rank_zero" and not process.is_primary_candidate:
-            return self._binding(run, request, active=False), None
+            return binding(run, request, self.shard_of(run.key), active=False), None
         run.participants[request.client_id] = Participant(request.client_id, process, now)
         self._by_client[request.client_id] = run.key
         if process.is_primary_candidate and (
@@ -266,46 +248,9 @@ class RouterCore:
         ):
             run.primary = request.client_id
             run.primary_status = None
-        child_open = None
-        if run.mode == "per_rank" and process.world_rank is not None:
-            rank = process.world_rank
-            if not run.children.get(rank):
-                run.children[rank] = True
-                child_key = f"{run.key}.rank_{rank}"
-                spec = OpenRun(
-                    key=child_key, name=f"{run.name}-rank{rank}", experiment=run.experiment,
-                    artifact_location=self.config.artifact_location, mode=run.mode,
-                    tags=dict(zip(RANK_TAGS, (str(rank), process.node_ip, process.role),
-                                  strict=True)),
-                    parent_key=run.key)
-                child_open = Control(self.shard_of(run.key), child_key, "open", spec)
-        return self._binding(run, request, active=True), child_open
-
-    def _binding(self, run: Run, request: AttachRequest, active: bool) -> RunBinding:
-        process = request.process
-        run_key = run.key
-        sample_system = False
-        if active and not request.guest:
-            if run.mode == "per_rank" and process.world_rank is not None:
-                run_key = f"{run.key}.rank_{process.world_rank}"
-            sampler = run.samplers.get(process.node_ip)
-            sample_system = sampler is None or sampler not in run.participants
-            if sample_system:
-                run.samplers[process.node_ip] = request.client_id
-        return RunBinding(
-            run_key=run_key, params_run_key=run.key,
-            run_id=run.run_id if run_key == run.key else "",
-            experiment=run.experiment, run_name=run.name, mode=run.mode,
-            shard_index=self.shard_of(run.key),
-            is_primary=run.primary == request.client_id,
-            # Created by this process only if its attach opened a run new to MLflow; every
-            # other attach (another process, or this run's process again after it left, as a
-            # restarted Tune trial does) resumes a run that exists or is being opened.
-            created=not run.existed and run.first_client == request.client_id,
-            resumed=run.existed or run.first_client != request.client_id,
-            sample_system=sample_system, active=active,
-            existing_params=dict(run.params),
-        )
+        shard = self.shard_of(run.key)
+        child_open = open_child(run, process, self.config.artifact_location, shard)
+        return binding(run, request, shard, active=True), child_open
 
     # --- heartbeat / detach / end ------------------------------------------------------------
     def heartbeat(self, client_ids: list[str]) -> list[str]:
@@ -345,7 +290,7 @@ class RouterCore:
             controls = self._drop(run, client_id, status=status)
             controls += self._maybe_end(run)
             ended = [c.run_key for c in controls if c.kind == "end"]
-            self._keep([run])
+            controls = self._keep([run], controls)
             self._departed[client_id] = ended
             while len(self._departed) > MAX_DEPARTED:
                 self._departed.popitem(last=False)
@@ -369,7 +314,7 @@ class RouterCore:
                 self._released.add(client_id)
             run.primary_status = status
             controls += self._maybe_end(run)
-            self._keep([run])
+            controls = self._keep([run], controls)
         self.outbox.deliver(controls)
         return True
 
@@ -388,8 +333,9 @@ class RouterCore:
                     return []
                 run.terminated = True
                 run.primary_status = status
-                self._keep([run])
-        self.outbox.deliver([Control(self.shard_of(key), key, "end", status)])
+            controls = self._keep([run] if run is not None else [],
+                                  [Control(self.shard_of(key), key, "end", status)])
+        self.outbox.deliver(controls)
         return [key]
 
     def _drop(self, run: Run, client_id: str, status: str = "KILLED",
@@ -463,17 +409,27 @@ class RouterCore:
                                        "is gone (Ray)" if dead else "went silent")
                         controls += self._drop(run, client_id, status="KILLED")
                         changed.append(run)
-                controls += self._maybe_end(run)
-            self._keep(changed)
+                ended = self._maybe_end(run)
+                if ended and run not in changed:
+                    changed.append(run)
+                controls += ended
+            controls = self._keep(changed, controls)
             idle = self._idle(now)
         self.outbox.deliver(controls)
         self.outbox.retry()
         return idle and not self.outbox.size()
 
-    def _keep(self, runs: list[Run]) -> None:
-        """Write ``runs``' membership through to the store (caller holds the lock)."""
-        if self._store is not None and runs:
-            self._store.save(runs)
+    def _keep(self, runs: list[Run], controls: list[Control] | None = None) -> list[Control]:
+        """Write ``runs``' membership, and the updates ``controls`` it decided, through to the
+        store in one step (caller holds the lock); returns the controls as kept, to deliver."""
+        if self._store is None:
+            return list(controls or [])
+        return self._store.save(runs, list(controls or []))
+
+    def _sent(self, control: Control) -> None:
+        """A shard took ``control``: it leaves the store."""
+        if self._store is not None:
+            self._store.sent(control)
 
     def _idle(self, now: float) -> bool:
         """Whether the proxy has had nothing to do for ``idle_timeout_s``: no active run and no

@@ -35,6 +35,7 @@ from raydeck.tracking.proxy.direct_store import (
     pool_env,
     transient_db_failure,
 )
+from raydeck.tracking.proxy.sql_batch import SqlBatchWriter
 
 if TYPE_CHECKING:
     from mlflow.entities import Metric, Param, RunTag
@@ -271,6 +272,7 @@ class MlflowWriter:
         self.policy = policy or FailurePolicy()
         self._client: MlflowClient | None = None
         self._server: MlflowClient | None = None
+        self._batches: SqlBatchWriter | MlflowClient | None = None
         self._client_lock = threading.Lock()
 
     @property
@@ -304,12 +306,25 @@ class MlflowWriter:
                         tracking_uri=self.tracking_uri)
         return self._server
 
+    @property
+    def batches(self) -> SqlBatchWriter | MlflowClient:
+        """What ``log_batch`` calls: on the direct path MLflow's SQL store written in bulk
+        (:class:`~raydeck.tracking.proxy.sql_batch.SqlBatchWriter`, the same rows as MLflow's
+        ``log_batch``), else the write client."""
+        client = self.client
+        if self._batches is None:
+            with self._client_lock:
+                if self._batches is None:
+                    bulk = SqlBatchWriter.for_uri(self.write_uri) if self.direct else None
+                    self._batches = bulk or client
+        return self._batches
+
     def _call(self, what: str, method: str, *args: Any, via_server: bool = False,
-              **kwargs: Any) -> Any:
-        """Run ``client.<method>`` (``server.<method>`` with ``via_server``); failures come out
-        as Transient- or PermanentWriteError."""
+              batches: bool = False, **kwargs: Any) -> Any:
+        """Run ``client.<method>`` (``server.<method>`` with ``via_server``, ``batches.<method>``
+        with ``batches``); failures come out as Transient- or PermanentWriteError."""
         try:
-            client = self.server if via_server else self.client
+            client = self.server if via_server else self.batches if batches else self.client
             return getattr(client, method)(*args, **kwargs)
         except Exception as exc:
             verdict = self.policy.classify(exc)
@@ -340,7 +355,7 @@ class MlflowWriter:
             return
         try:
             self._call("log_batch", "log_batch", run_id, metrics=metrics,
-                       params=params, tags=tags, synchronous=True)
+                       params=params, tags=tags, synchronous=True, batches=True)
             return
         except PermanentWriteError as exc:
             if len(metrics) + len(params) + len(tags) == 1:
