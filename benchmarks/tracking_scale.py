@@ -569,14 +569,18 @@ def cluster(root: Path, worker_nodes: int, node_cpus: int) -> Iterator[tuple[Ray
         server.stop()
 
 
-def scale_settings(mlflow_uri: str, data_dir: Path) -> Any:
+def scale_settings(mlflow_uri: str, data_dir: Path, write_db: str = "") -> Any:
+    """The proxy's settings; ``write_db``: the server's database, written directly (MLflow's
+    SQL store, docs/tracking-contract.md "The direct write path") instead of through it."""
+    from raydeck.config.secrets import Secret
     from raydeck.config.settings import load_settings
 
     base = load_settings()
     return dataclasses.replace(
         base, ray_namespace=f"raydeck-scale-{uuid.uuid4().hex[:6]}", data_dir=data_dir,
         tracking=dataclasses.replace(base.tracking, uri=mlflow_uri, artifact_location="",
-                                     mode="all_ranks", experiment="scale"))
+                                     mode="all_ranks", experiment="scale",
+                                     write_db=Secret(write_db)))
 
 
 def connect(address: str, settings: Any) -> None:
@@ -607,6 +611,8 @@ def main() -> None:
     parser.add_argument("--mlflow-db", type=Path, help="the server's SQLite database")
     parser.add_argument("--work-dir", type=Path)
     parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--direct", action="store_true",
+                        help="the proxy writes to the server's SQLite database directly")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     loads = [Load(int(n), min(int(n), args.ranks_per_host), min(int(n), args.ranks_per_run),
@@ -621,7 +627,8 @@ def main() -> None:
         os.environ.update({k: v for k, v in measured_tracking_env(root / "data").items()
                            if k != "RAY_AUTH_MODE"})
         if args.address:
-            settings = scale_settings(args.mlflow_uri, root / "data")
+            direct = f"sqlite:///{args.mlflow_db}" if args.direct else ""
+            settings = scale_settings(args.mlflow_uri, root / "data", direct)
             connect(args.address, settings)
             _print(run_scale(loads[0], settings, args.mlflow_db, args.work_dir or root / "work",
                              baseline=not args.no_baseline, announce=True), args.json)
@@ -630,7 +637,8 @@ def main() -> None:
             connect(head.gcs_address, scale_settings(server.uri, root / "data"))
             for load in loads:
                 # Each N on a proxy of its own (a namespace of its own), started by its attaches.
-                settings = scale_settings(server.uri, root / "data")
+                direct = f"sqlite:///{server.root / 'mlflow.db'}" if args.direct else ""
+                settings = scale_settings(server.uri, root / "data", direct)
                 _print(run_scale(load, settings, server.root / "mlflow.db",
                                  root / f"work-{load.ranks}",
                                  head_pids={"MLflow server": _tree(server)},

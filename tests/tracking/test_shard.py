@@ -8,6 +8,7 @@ reach; the fault matrix in ``test_tracking_contract.py`` runs the same code as R
 from __future__ import annotations
 
 import json
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from raydeck.tracking.messages import Batch, FileRef, OpenRun, ShardConfig
 from raydeck.tracking.proxy.dead_letters import DEAD_LETTERS_TAG
 from raydeck.tracking.proxy.shard import ShardCore
 from tests.fixtures.mlflow_server import MlflowServer
+from tests.fixtures.processes import wait_until
 from tests.fixtures.tcp_forwarder import TcpForwarder
 
 
@@ -284,3 +286,43 @@ def test_retries_back_off_doubling_up_to_the_configured_cap() -> None:
     # RAYDECK_TRACKING_RETRY_MAX_S caps the wait; the default (5 s) after five failures in a row.
     assert [backoff_s(n, 1.0) for n in range(1, 6)] == [0.25, 0.5, 1.0, 1.0, 1.0]
     assert [backoff_s(n, 5.0) for n in (5, 6, 50)] == [4.0, 5.0, 5.0]
+
+
+@pytest.mark.timeout(120)
+def test_a_batch_written_before_its_thread_counted_it_still_lands(
+    shard: ShardCore, mlflow_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two batches of one run on two threads: the first is spooled, and its thread held there,
+    while the second's thread counts its own and a writer writes both from the spool. Counted
+    only after the spool took it, the first stayed pending for good (the writer had uncounted
+    it, never below zero) and the run never landed: 1,024 ranks on the bulk direct path, where
+    writes are fast enough to get there first. Held by the test here, not by luck."""
+    key = f"count-race-{uuid.uuid4().hex[:8]}"
+    _open(shard, key)
+    assert shard.wait_landed([key], 60).landed
+    real_accept = shard.spool.accept
+    spooled, release = threading.Event(), threading.Event()
+
+    def accept_then_hold(client_id: str | None, seq: int | None, entities: Any) -> Any:
+        accepted = real_accept(client_id, seq, entities)
+        if threading.current_thread().name == "held":
+            spooled.set()
+            assert release.wait(60)
+        return accepted
+
+    monkeypatch.setattr(shard.spool, "accept", accept_then_hold)
+    held = threading.Thread(name="held", target=shard.ingest, args=(
+        _batch(key, 0, points=[("loss", float(i), 1_000 + i, i) for i in range(10)]),))
+    held.start()
+    assert spooled.wait(60)
+    shard.ingest(_batch(key, 1, points=[("loss", float(i), 1_000 + i, i) for i in range(10, 20)]))
+    wait_until(lambda: shard.stats()["points_written"] >= 20, 60,
+               "the writer to write both batches from the spool")
+    release.set()
+    held.join(60)
+    shard.control(key, "end", "FINISHED")
+    report = shard.wait_landed([key], 30)
+    assert report.landed, report.stuck
+    run_id = shard.resolve(key, 1).run_id
+    assert sorted(m.step for m in mlflow_client.get_metric_history(run_id, "loss")) == list(
+        range(20))

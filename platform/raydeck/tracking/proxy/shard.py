@@ -190,7 +190,7 @@ class ShardCore(ShardWriters):
                 if derived:
                     entities.append(NewEntity(batch.run_key, KIND_METRICS, len(derived),
                                               derived))
-            accepted = self.spool.accept(batch.client_id, batch.seq, entities)
+            accepted = self._accept(batch.client_id, batch.seq, entities)
         finally:
             if ticket is not None and accepted is None:  # a re-delivery, or refused
                 with self._cv:
@@ -232,7 +232,7 @@ class ShardCore(ShardWriters):
         Durable when this returns, and written in order with the run's data.
         """
         n = len(payload) if kind == KIND_TAGS else 1
-        accepted = self.spool.accept(None, None, [NewEntity(run_key, kind, n, payload)])
+        accepted = self._accept(None, None, [NewEntity(run_key, kind, n, payload)])
         assert accepted is not None
         self._enqueued(accepted)
 
@@ -240,29 +240,58 @@ class ShardCore(ShardWriters):
         """Store part of an artifact file; returns the bytes held so far (see Spool)."""
         return self.spool.append_chunk(upload_id, offset, data)
 
-    def _enqueued(self, accepted: list[Entity], ticket: int | None = None,
-                  batch_highest: dict[str, int] | None = None) -> None:
-        """Count accepted entities in their runs' queues; ``ticket``: an admitted batch's, whose
-        highest steps per key (``batch_highest``) count as received from now on."""
+    def _accept(self, client_id: str | None, seq: int | None, entities: list[NewEntity]
+                ) -> list[Entity] | None:
+        """The spool's :meth:`~raydeck.tracking.proxy.spool.Spool.accept`, with ``entities``
+        counted in their runs' queues first (and uncounted if the spool keeps none of them).
+
+        Why first: batches of one run arrive on several threads at once, and a writer plans
+        from the spool, so it could write (and uncount, never below zero) an entity this thread
+        had spooled but not yet counted; counted afterwards, it stayed pending for good, its
+        run never landed (1,024 ranks on the bulk direct path: ``wait_runs_landed`` waited on
+        "2 metric points" of a spool that held none). Counted first, a run is never short of
+        what a writer can find in the spool; until the spool has it, it is in flight anyway.
+        """
+        self._count(entities, 1)
+        accepted = None
+        try:
+            accepted = self.spool.accept(client_id, seq, entities)
+        finally:
+            if accepted is None:  # a re-delivery, or the spool refused
+                self._count(entities, -1)
+        return accepted
+
+    def _count(self, entities: list[NewEntity], sign: int) -> None:
+        """Add (``sign`` 1) or take back (-1) ``entities`` in their runs' pending counts."""
         now = time.monotonic()
         with self._cv:  # batches of one run may arrive on several threads at once
+            for entity in entities:
+                run = self._run(entity.run_key)
+                run.counts[COUNTED[entity.kind]] += sign * (
+                    entity.n if entity.kind in BY_SIZE else 1)
+                run.entities += sign
+                if entity.kind == KIND_END:
+                    run.ends_pending += sign
+                if entity.kind == KIND_LOG and run.log_since is None and sign > 0:
+                    run.log_since = now
+                if entity.kind in (KIND_METRICS, KIND_PARAMS, KIND_TAGS, KIND_FILE, KIND_INPUT):
+                    self.received += sign * entity.n
+            self._cv.notify_all()
+
+    def _enqueued(self, accepted: list[Entity], ticket: int | None = None,
+                  batch_highest: dict[str, int] | None = None) -> None:
+        """Wake the writers for accepted (already counted) entities; ``ticket``: an admitted
+        batch's, whose highest steps per key (``batch_highest``) count as received from now
+        on."""
+        with self._cv:
             if ticket is not None:
                 run_key = self._admitted.pop(ticket)
                 if batch_highest:
                     highest = self._highest_steps.setdefault(run_key, {})
                     for key, step in batch_highest.items():
                         highest[key] = max(step, highest.get(key, -1))
-            for entity in accepted:
-                run = self._run(entity.run_key)
-                run.counts[COUNTED[entity.kind]] += entity.n if entity.kind in BY_SIZE else 1
-                run.entities += 1
-                if entity.kind == KIND_END:
-                    run.ends_pending += 1
-                if entity.kind == KIND_LOG and run.log_since is None:
-                    run.log_since = now
-                if entity.kind in (KIND_METRICS, KIND_PARAMS, KIND_TAGS, KIND_FILE, KIND_INPUT):
-                    self.received += entity.n
-            self._cv.notify_all()
+            if accepted:
+                self._cv.notify_all()
 
     # --- questions (the "wait" concurrency group) -----------------------------------------------
     def wait_landed(self, run_keys: list[str], timeout_s: float) -> LandedReport:
