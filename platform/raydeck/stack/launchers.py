@@ -378,8 +378,7 @@ class RayHeadLauncher(Launcher):
                          if name in internal}
         return {
             **ctx.settings_env(), **ctx.ray_auth_env(), **ctx.raydeck_process_env(),
-            # What every Ray node raydeck starts carries (gRPC's fork handlers off).
-            **node_env.local_env(os.environ),
+            **node_env.local_env(os.environ),  # every Ray node's (gRPC's fork handlers off)
             # Serve's ingress: HAProxy unless the shell that ran `up` says
             # RAY_SERVE_ENABLE_HA_PROXY=0 (or this machine has no HAProxy).
             **local_node_env(os.environ, haproxy_ports),
