@@ -130,19 +130,23 @@ class MembershipStore:
             logger.warning("cannot keep the router's run membership in %s (%s); a restarted "
                            "router rebuilds it from trackers that attach again", path, exc)
 
-    def load(self) -> list[Run]:
-        """The open runs a previous router kept; their participants count as seen now."""
+    def _read(self, query: str, what: str) -> list[Any]:
+        """The rows of ``query``; none without a database or when it cannot be read (the
+        router then starts without what a predecessor kept, as a first router does)."""
         if self._db is None:
             return []
-        now = time.monotonic()
-        runs = []
         with self._lock:
             try:
-                rows = self._db.execute("SELECT data FROM runs").fetchall()
+                return self._db.execute(query).fetchall()
             except sqlite3.Error as exc:
-                logger.warning("cannot read the router's run membership (%s)", exc)
+                logger.warning("cannot read the router's %s (%s)", what, exc)
                 return []
-        for (text,) in rows:
+
+    def load(self) -> list[Run]:
+        """The open runs a previous router kept; their participants count as seen now."""
+        now = time.monotonic()
+        runs = []
+        for (text,) in self._read("SELECT data FROM runs", "run membership"):
             try:
                 runs.append(_from_json(text, now))
             except (ValueError, TypeError, KeyError) as exc:
@@ -151,16 +155,9 @@ class MembershipStore:
 
     def load_controls(self) -> list[Control]:
         """The run updates a previous router decided and no shard took, in decision order."""
-        if self._db is None:
-            return []
-        with self._lock:
-            try:
-                rows = self._db.execute("SELECT id, data FROM outbox ORDER BY id").fetchall()
-            except sqlite3.Error as exc:
-                logger.warning("cannot read the router's undelivered run updates (%s)", exc)
-                return []
         controls = []
-        for journal_id, text in rows:
+        for journal_id, text in self._read("SELECT id, data FROM outbox ORDER BY id",
+                                           "undelivered run updates"):
             try:
                 controls.append(_control_from_json(journal_id, text))
             except (ValueError, TypeError, KeyError) as exc:
