@@ -313,11 +313,12 @@ SIGTERM_DRIVER = """
 """
 
 
-def _sigterm(driver: subprocess.Popen[str]) -> None:
-    """SIGTERM the driver (what `ray job stop` sends) and wait for it to exit (killed if not)."""
+def _sigterm(driver: subprocess.Popen[str]) -> str:
+    """SIGTERM the driver (what `ray job stop` sends) and wait for it to exit (killed if not);
+    returns what it printed after."""
     driver.send_signal(signal.SIGTERM)
     try:
-        _, errors = driver.communicate(timeout=SIGTERMED_EXIT_TIMEOUT_S)
+        printed, errors = driver.communicate(timeout=SIGTERMED_EXIT_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         driver.kill()
         _, errors = driver.communicate()
@@ -326,6 +327,7 @@ def _sigterm(driver: subprocess.Popen[str]) -> None:
     # Ray's own SIGTERM handler in a driver exits with the signal's number (raydeck's runs
     # first, then hands over to it).
     assert driver.returncode in (signal.SIGTERM, -signal.SIGTERM), errors[-3000:]
+    return printed
 
 
 def _assert_ended_killed_with_everything(mlflow_client: Any, run_id: str) -> None:
@@ -381,6 +383,39 @@ def test_a_sigtermed_driver_whose_proxy_is_slow_hands_its_data_over_and_ends_kil
     finally:
         thaw.cancel()
         _signal_all(pids, signal.SIGCONT)
+    _assert_ended_killed_with_everything(mlflow_client, run_id)
+
+
+SIGTERM_INTO_EXCEPTION_DRIVER = SIGTERM_DRIVER.replace("""    time.sleep(600)
+""", """    try:
+        time.sleep(600)
+    except BaseException:
+        # Ray's SIGTERM handler (called after raydeck's) raises SystemExit here; a framework
+        # ends its run FAILED on it, as Lightning's fit does (`RaydeckLogger.finalize("failed")`).
+        print("ENDING FAILED", flush=True)
+        tracker.finish("FAILED", wait=False)
+        raise
+""")
+
+
+@pytest.mark.timeout(300)
+def test_a_sigtermed_driver_ends_killed_when_its_framework_later_finishes_failed(
+        ray_cluster: None, mlflow_client: Any) -> None:
+    """The chaos soak's seed 5300055, held: the proxy frozen for 5 s, so the signal's own
+    hand-over gives up; the exception the signal became then finishes the run FAILED once the
+    proxy is back. The run was active when the driver was signalled, so it ends KILLED."""
+    driver = driver_process(SIGTERM_INTO_EXCEPTION_DRIVER)
+    run_id = read_line_with(driver, "RUN ")
+    pids = _proxy_pids()
+    _signal_all(pids, signal.SIGSTOP)
+    thaw = threading.Timer(PROXY_FROZEN_S, _signal_all, (pids, signal.SIGCONT))
+    thaw.start()
+    try:
+        printed = _sigterm(driver)
+    finally:
+        thaw.cancel()
+        _signal_all(pids, signal.SIGCONT)
+    assert "ENDING FAILED" in printed
     _assert_ended_killed_with_everything(mlflow_client, run_id)
 
 

@@ -7,7 +7,9 @@ data is handed over when its process stops:
   else ``FINISHED``; a ``finish()`` that raised earlier is retried here;
 - ``SIGTERM`` and ``SIGINT`` in a driver (``ray job stop`` sends SIGTERM and kills 3 s later):
   the data is handed to the proxy and the run ends ``KILLED``, then the signal takes its usual
-  course;
+  course; a run that was active when the signal came ends ``KILLED`` whichever status a later
+  ``finish`` names (a framework that turns the signal into an exception, such as Lightning's
+  ``finalize("failed")`` after Ray's handler raised ``SystemExit``, finishes ``FAILED``);
 - Ray Train workers, which Train v2 stops with ``ray.kill`` after a short grace period (no atexit
   runs there): ``train_handoff.TrainWorkerHandoff``, a Ray Train worker callback that raydeck
   registers in every job (``RAY_TRAIN_CALLBACKS``), hands the buffer to the proxy in
@@ -25,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any, Protocol
@@ -74,6 +77,8 @@ _uncaught_exception = False
 _previous_handlers: dict[int, Any] = {}
 _signal_finisher: threading.Thread | None = None
 _signalled_at = 0.0
+# The trackers that were active when this process got SIGTERM or SIGINT: they end KILLED.
+_signalled: weakref.WeakSet[LiveTracker] = weakref.WeakSet()
 
 
 def register(tracker: LiveTracker, key: str | None, run_name: str | None, parent: str | None,
@@ -115,6 +120,14 @@ def find(key: str | None, run_name: str | None, parent: str | None, scope: str
 def active() -> list[LiveTracker]:
     with lock:
         return [entry.tracker for entry in _entries]
+
+
+def end_status(tracker: LiveTracker, status: str) -> str:
+    """The status ``tracker``'s run ends with when its ``finish`` names ``status``: KILLED once
+    this process was signalled while the run was active (the contract's "SIGTERMed before its
+    ``finish()`` returned"), whatever the signal's own hand-over managed before it."""
+    with lock:
+        return "KILLED" if tracker in _signalled else status
 
 
 def finish_all(status: str, wait: bool, timeout_s: float | None = None) -> None:
@@ -221,6 +234,8 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     """
     global _signal_finisher, _signalled_at
     _signalled_at = time.monotonic()
+    with lock:
+        _signalled.update(tracker for tracker in active())
     logger.warning("signal %s: ending this process's runs as KILLED", signal.Signals(signum).name)
     worker = threading.Thread(target=finish_all, args=("KILLED", False, SIGNAL_FINISH_TIMEOUT_S),
                               name="raydeck-signal-finish", daemon=True)

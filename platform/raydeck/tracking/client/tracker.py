@@ -402,6 +402,8 @@ class Tracker(StepPolicy, ArtifactLogging, ResumeHelpers):
         second call (or the process's exit) tries again. A guest's tracker
         (:func:`~raydeck.tracking.client.attach.attach_guest`) only hands its data over: it ends
         nothing and never waits for MLflow.
+        A run that was active when its driver got SIGTERM or SIGINT ends KILLED, whatever
+        ``status`` says (:func:`~raydeck.tracking.client.lifecycle.end_status`).
 
         Raises:
             TrackingUnavailableError: the proxy could not be reached to take the last data.
@@ -410,6 +412,7 @@ class Tracker(StepPolicy, ArtifactLogging, ResumeHelpers):
         """
         if self._finished:
             return self._report or LandedReport(True, Pending())
+        status = lifecycle.end_status(self, status)
         # A guest's part is in the proxy once flushed; it ends nothing, so it waits for no one.
         wait = wait and not self._request.guest
         timeout_s = timeout_s or self._settings.tracking.finish_timeout_s
