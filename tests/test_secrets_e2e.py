@@ -1,19 +1,22 @@
 """No secret in any output: a deployment with credentials everywhere, every output grepped.
 
 The setup is the documented production one: a Ray head (``ray start --head``, token auth)
-whose environment holds the tracking URI *with* ``user:password`` (an MLflow server behind basic
-auth; this MLflow server ignores the credentials) and the S3 secret, and a submitting shell with
-the same settings plus a Grafana token. Through it run every ``raydeck`` command, a submitted
-job, a driver on the head (``raydeck demo``), a sweep with a registered model, and an MLflow
-outage that leaves errors in the tracking proxy. Then every output is searched for the secrets
-(the password, in clear and as the basic-auth header, the S3 secret, the Grafana token and
-password, the Ray token):
+whose environment holds the tracking URI *with* ``user:password`` (an MLflow server on
+PostgreSQL behind basic auth; this MLflow server ignores the credentials) and the S3 secret, and
+a submitting shell with the same settings plus a Grafana token. Through it run every ``raydeck``
+command, a submitted job, a driver on the head (``raydeck demo``), a sweep with a registered
+model, and an MLflow outage that leaves errors in the tracking proxy. Then a driver on the head
+starts the proxy again on the direct write path (``RAYDECK_TRACKING_WRITE_DB``, the server's
+PostgreSQL URI with its password) and PostgreSQL stops while it logs, which leaves the
+database's own errors in the proxy. Then every output is searched for the secrets (the
+password, in clear and as the basic-auth header, the PostgreSQL password, the S3 secret, the
+Grafana token and password, the Ray token):
 
 - each command's stdout and stderr,
 - the head's Ray session directory (every log, the runtime env agent's included) and the job
   server's record of each job (entrypoint, runtime env, metadata),
 - MLflow: the runs' params, tags, metric keys and names, the registered model, the server's
-  database file,
+  database (``pg_dump``),
 - the buckets (artifacts such as ``raydeck/runtime_env.json``, checkpoints) and the proxy's
   spool and data directories.
 
@@ -30,7 +33,7 @@ import secrets
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,6 +41,7 @@ import pytest
 
 from tests.conftest import TEST_ENV
 from tests.fixtures.mlflow_server import MlflowServer
+from tests.fixtures.postgres import PostgresServer, postgres_server
 from tests.fixtures.processes import free_port, wait_until
 from tests.fixtures.ray_head import RayHead
 from tests.fixtures.s3_server import S3Server
@@ -108,8 +112,11 @@ def _run(scenario: Scenario, name: str, args: list[str], env: dict[str, str],
     return text
 
 
-def _outage(scenario: Scenario, env: dict[str, str], mlflow: MlflowServer) -> None:
-    """A run logs while MLflow is down: the proxy's shards hold MLflow's error messages."""
+def _outage(scenario: Scenario, env: dict[str, str], name: str, down: Callable[[], object],
+            up: Callable[[], object]) -> None:
+    """A run logs while ``down`` has stopped what the proxy writes to: the proxy's shards hold
+    the failing writer's error messages (outputs ``<name> driver`` and ``tracking status
+    (<name>)``); ``up`` starts it again and the run finishes."""
     code = (
         "import sys, raydeck\n"
         "tracker = raydeck.get_tracker(run_name='leak-outage')\n"
@@ -125,23 +132,31 @@ def _outage(scenario: Scenario, env: dict[str, str], mlflow: MlflowServer) -> No
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT)
     assert driver.stdin is not None and driver.stdout is not None
+    status = f"tracking status ({name})"
+    is_down = False
     try:
-        first = driver.stdout.readline()
-        assert first.startswith("RUN "), first + driver.stdout.read()[-3000:]
-        mlflow.stop()
+        printed = []  # Ray forwards the proxy actors' logs to the driver, before or after RUN
+        for line in driver.stdout:
+            printed.append(line)
+            if line.startswith("RUN "):
+                break
+        first = "".join(printed)
+        assert printed and printed[-1].startswith("RUN "), first[-3000:]
+        down()
+        is_down = True
         driver.stdin.write("go\n")
         driver.stdin.flush()
         polls: list[str] = []
 
         def shard_error_shown() -> bool:
-            polls.append(_run(scenario, "tracking status (MLflow down)",
-                              ["tracking", "status"], env))
-            scenario.outputs["tracking status (MLflow down)"] = "".join(polls)
+            polls.append(_run(scenario, status, ["tracking", "status"], env))
+            scenario.outputs[status] = "".join(polls)
             return any(sign in polls[-1] for sign in ("API request", "Connection", "refused"))
 
-        wait_until(shard_error_shown, 300, "a shard error in `raydeck tracking status`",
+        wait_until(shard_error_shown, 300, f"a shard error in `raydeck {status}`",
                    interval_s=2.0)
-        mlflow.start()
+        up()
+        is_down = False
         driver.stdin.write("go\n")
         driver.stdin.flush()
         rest, _ = driver.communicate(timeout=300)
@@ -149,10 +164,22 @@ def _outage(scenario: Scenario, env: dict[str, str], mlflow: MlflowServer) -> No
         if driver.poll() is None:
             driver.kill()
             driver.wait(30)
-        if not mlflow.alive():
-            mlflow.start()
-    scenario.outputs["outage driver"] = first + rest
+        if is_down:
+            up()
+    scenario.outputs[f"{name} driver"] = first + rest
     assert "DONE" in rest, rest[-3000:]
+
+
+def _database_dump(postgres: PostgresServer) -> bytes:
+    """Everything in MLflow's PostgreSQL database, as ``pg_dump`` writes it."""
+    from raydeck.stack import postgres as stack_postgres
+    from raydeck.stack.services import LOOPBACK, POSTGRES_DB, POSTGRES_USER
+
+    install = stack_postgres.find_install(postgres.pgdata)
+    return subprocess.run(
+        [install.binary("pg_dump"), "-h", LOOPBACK, "-p", str(postgres.port), "-U",
+         POSTGRES_USER, POSTGRES_DB], env={**os.environ, **postgres.env}, capture_output=True,
+        check=True, timeout=COMMAND_TIMEOUT_S).stdout
 
 
 def _mlflow_sources(uri: str, experiment: str, model: str) -> dict[str, bytes]:
@@ -204,8 +231,15 @@ def _job_sources(head: RayHead) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
-             ) -> Iterator[Scenario]:
+def postgres() -> Iterator[PostgresServer]:
+    """MLflow's database (README's first command installs PostgreSQL)."""
+    with postgres_server("raydeck-secrets-pg-") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server,
+             postgres: PostgresServer) -> Iterator[Scenario]:
     root = tmp_path_factory.mktemp("secrets-e2e")
     tag = secrets.token_hex(4)
     password = f"s3cretpw-{secrets.token_hex(8)}"
@@ -216,7 +250,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
     buckets = {"RAYDECK_S3_ARTIFACTS_BUCKET": f"leak-artifacts-{tag}",
                "RAYDECK_S3_CHECKPOINTS_BUCKET": f"leak-checkpoints-{tag}"}
 
-    mlflow = MlflowServer(root / "mlflow").start()
+    mlflow = MlflowServer(root / "mlflow", backend_store_uri=postgres.uri,
+                          env=postgres.env).start()
     uri = f"http://bob:{password}@127.0.0.1:{mlflow.port}"
     settings = {
         "RAYDECK_TRACKING_URI": uri, "RAYDECK_TRACKING_EXPERIMENT": experiment,
@@ -233,6 +268,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
     scenario = Scenario(secrets={
         "tracking password": password,
         "basic-auth header": base64.b64encode(f"bob:{password}".encode()).decode(),
+        "PostgreSQL password": postgres.password.reveal(),
         "S3 secret": s3_server.secret_access_key,
         "Grafana token": grafana_token,
         "Grafana password": grafana_password,
@@ -264,9 +300,18 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
                                  "--max-t", "2", "--preset", "cpu-1", "--register-as", model],
              shell)
         started = time.monotonic()
-        _outage(scenario, shell, mlflow)
+        _outage(scenario, shell, "MLflow down", mlflow.stop, mlflow.start)
         scenario.seconds["MLflow outage, all"] = time.monotonic() - started
         _run(scenario, "tracking status", ["tracking", "status"], shell)
+        # The direct write path: the proxy started again by a driver on the head whose
+        # settings name the server's database, with its password.
+        _run(scenario, "tracking stop (before the direct path)", ["tracking", "stop"], shell)
+        direct = {**shell, "RAYDECK_TRACKING_WRITE_DB": postgres.uri_with_password}
+        _run(scenario, "config (direct)", ["config"], direct)
+        started = time.monotonic()
+        _outage(scenario, direct, "PostgreSQL down", postgres.stop, postgres.start)
+        scenario.seconds["PostgreSQL outage, all"] = time.monotonic() - started
+        _run(scenario, "tracking status (direct)", ["tracking", "status"], direct)
         _run(scenario, "monitoring config", ["monitoring", "config", "-o",
                                              str(root / "prometheus.yml")], shell)
         _run(scenario, "dashboards push", ["dashboards", "push", "--url",
@@ -288,7 +333,7 @@ def scenario(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server
             }
         scenario.sources["MLflow"] = {
             **_mlflow_sources(mlflow.uri, experiment, model),
-            "mlflow.db": (mlflow.root / "mlflow.db").read_bytes(),
+            "MLflow's database": _database_dump(postgres),
         }
         scenario.sources["storage"] = {
             **_bucket_sources(s3_server, list(buckets.values())),
@@ -325,6 +370,9 @@ def test_every_command_ran_and_outputs_were_collected(scenario: Scenario) -> Non
     assert "left as ${RAYDECK_TRACKING_URI}" in out["submit"]
     assert "SUCCEEDED" in out["submit"] and "validation accuracy" in out["demo"]
     assert "best trial" in out["sweep"]
+    assert "******** (set)" in out["config (direct)"]
+    assert "direct to postgresql://" in out["tracking status (direct)"]
+    assert "direct to postgresql://" in out["tracking status (PostgreSQL down)"]
     ray = scenario.sources["Ray"]
     assert any("runtime_env_agent" in source for source in ray), sorted(ray)[:50]
     assert any("job-driver-raydeck-" in source for source in ray), sorted(ray)[:50]
@@ -336,8 +384,10 @@ def test_every_command_ran_and_outputs_were_collected(scenario: Scenario) -> Non
 
 @pytest.mark.parametrize("command", [
     "config", "config (bad URI)", "presets", "storage init", "status", "submit", "jobs", "demo",
-    "sweep", "outage driver", "tracking status (MLflow down)", "tracking status",
-    "monitoring config", "dashboards push", "dashboards check", "tracking stop",
+    "sweep", "MLflow down driver", "tracking status (MLflow down)", "tracking status",
+    "tracking stop (before the direct path)", "config (direct)", "PostgreSQL down driver",
+    "tracking status (PostgreSQL down)", "tracking status (direct)", "monitoring config",
+    "dashboards push", "dashboards check", "tracking stop",
 ])
 def test_no_secret_in_the_output_of(scenario: Scenario, command: str) -> None:
     assert command in scenario.outputs

@@ -250,6 +250,12 @@ def _raydeck(*args: str, env: dict[str, str], cwd: Path) -> subprocess.Completed
                           text=True, timeout=120)
 
 
+def _table_values(shown: str) -> dict[str, str]:
+    """``raydeck config``'s table: variable -> value shown."""
+    return {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in shown.splitlines() if line.count("│") >= 4}
+
+
 @pytest.mark.timeout(120)
 def test_raydeck_config_shows_no_credentials(tmp_path: Path) -> None:
     env = {"RAYDECK_TRACKING_URI": f"http://bob:{PASSWORD}@127.0.0.1:5000",
@@ -260,6 +266,20 @@ def test_raydeck_config_shows_no_credentials(tmp_path: Path) -> None:
     assert "http://127.0.0.1:5000" in shown.stdout and "******** (set)" in shown.stdout
     assert PASSWORD not in shown.stdout + shown.stderr
     assert "the-s3-secret-value" not in shown.stdout + shown.stderr
+    # Each secret says whether it is set, whichever others are: the S3 secret alone (before,
+    # any secret showed the S3 secret's state), then only the database credential.
+    rows = _table_values(shown.stdout)
+    assert rows["RAYDECK_S3_SECRET_ACCESS_KEY"] == "******** (set)"
+    assert rows["RAYDECK_TRACKING_WRITE_DB"] == ""
+    direct = _raydeck("config", env={
+        "RAYDECK_TRACKING_URI": "http://127.0.0.1:5000",
+        "RAYDECK_TRACKING_WRITE_DB": f"postgresql://mlflow:{PASSWORD}@db:5432/mlflow"},
+        cwd=tmp_path)
+    assert direct.returncode == 0, direct.stderr
+    rows = _table_values(direct.stdout)
+    assert rows["RAYDECK_TRACKING_WRITE_DB"] == "******** (set)"
+    assert rows["RAYDECK_S3_SECRET_ACCESS_KEY"] == ""
+    assert PASSWORD not in direct.stdout + direct.stderr
     bad = _raydeck("config", env={**env, "RAYDECK_TRACKING_URI": f"bob:{PASSWORD}@h:5000"},
                    cwd=tmp_path)
     assert bad.returncode == 2 and "RAYDECK_TRACKING_URI" in bad.stderr

@@ -11,11 +11,9 @@ The bulk write (:mod:`~raydeck.tracking.proxy.sql_batch`) leaves the rows MLflow
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import os
-import shutil
 import sqlite3
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -73,46 +71,21 @@ def postgres() -> Iterator[Any]:
     """One server for the module's tests (each uses runs of its own; the restart test leaves it
     started)."""
     from raydeck.errors import StackError
-    from tests.fixtures.postgres import PostgresServer
+    from tests.fixtures.postgres import postgres_server
 
-    # Not under pytest's tmp_path: PostgreSQL runs as the postgres user under root, and pytest's
-    # directories keep other users out.
-    root = Path(tempfile.mkdtemp(prefix="raydeck-direct-pg-"))
-    root.chmod(0o755)
-    try:
-        server = PostgresServer(root).start()
-    except StackError as exc:  # no PostgreSQL here (README's first command installs it)
-        shutil.rmtree(root, ignore_errors=True)
-        pytest.skip(f"PostgreSQL cannot start here: {exc}")
-    yield server
-    server.stop()
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def _postgres_uri(server: Any) -> str:
-    """The database URI with its password in it, as ``write_db`` or a tracking URI holds it."""
-    from raydeck.stack.services import LOOPBACK, POSTGRES_DB, POSTGRES_USER
-
-    return (f"postgresql://{POSTGRES_USER}:{server.password.reveal()}@{LOOPBACK}:{server.port}"
-            f"/{POSTGRES_DB}")
-
-
-def _postmaster_gone(server: Any) -> bool:
-    """The stopped server's postmaster has exited (a new one refuses its live pid file)."""
-    pid_file = server.pgdata / "postmaster.pid"
-    try:
-        pid = int(pid_file.read_text().split()[0])
-        os.kill(pid, 0)
-    except (FileNotFoundError, ProcessLookupError, ValueError, IndexError):
-        return True
-    return False
+    with contextlib.ExitStack() as stack:
+        try:
+            server = stack.enter_context(postgres_server("raydeck-direct-pg-"))
+        except StackError as exc:  # no PostgreSQL here (README's first command installs it)
+            pytest.skip(f"PostgreSQL cannot start here: {exc}")
+        yield server
 
 
 @pytest.mark.timeout(300)
 def test_postgres_restarted_under_parallel_writers_lands_exact_counts(
     tmp_path: Path, postgres: Any
 ) -> None:
-    uri = _postgres_uri(postgres)
+    uri = postgres.uri_with_password
     core = ShardCore(_config(uri, tmp_path / "spool", writers=4))
     try:
         assert describe_write_path(uri, "").startswith("direct to postgresql://")
@@ -125,7 +98,6 @@ def test_postgres_restarted_under_parallel_writers_lands_exact_counts(
         for key in keys:
             _ingest(core, key, 1, range(2_000, 5_000))  # accepted and spooled while it is down
         wait_until(lambda: core.stats()["write_errors"] > 0, 120, "a failed write")
-        wait_until(lambda: _postmaster_gone(postgres), 60, "the stopped postmaster's exit")
         postgres.start()
         for key in keys:
             _ingest(core, key, 2, range(5_000, 6_000))
@@ -369,7 +341,7 @@ def test_the_bulk_write_leaves_the_rows_mlflows_own_log_batch_leaves(
 
     # The session's server's database (SQLite, migrated once) or the module's PostgreSQL.
     uri = (request.getfixturevalue("mlflow_server").backend_store_uri if database == "sqlite"
-           else _postgres_uri(request.getfixturevalue("postgres")))
+           else request.getfixturevalue("postgres").uri_with_password)
     client = MlflowClient(uri)
     experiment = client.create_experiment(f"bulk-{uuid.uuid4().hex[:8]}")
     bulk_run, mlflow_run = (client.create_run(experiment).info.run_id for _ in range(2))

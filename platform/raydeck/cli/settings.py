@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 from rich.table import Table
 
@@ -31,8 +33,16 @@ def show(
     table = Table(title="raydeck settings")
     add_columns(table, "variable", "value", "from", whole=("variable", "value"))
     flat = settings.to_env()
-    secret_shown = "******** (set)" if settings.storage.secret_access_key else ""
-    for var, _key, _default, _doc in settings_reference():
-        # Only secrets are missing from to_env(); they are never shown.
-        table.add_row(var, flat.get(var, secret_shown), origins[var])
+    for var, key, _default, _doc in settings_reference():
+        # Only secrets are missing from to_env(); they are never shown, only whether each is set.
+        shown = flat[var] if var in flat else "******** (set)" if _setting(settings, key) else ""
+        table.add_row(var, shown, origins[var])
     print_table(table)
+
+
+def _setting(settings: Any, toml_key: str) -> Any:
+    """The value of the setting at ``toml_key`` (``[tracking].write_db``, ``ray_address``)."""
+    value = settings
+    for part in toml_key.split("."):
+        value = getattr(value, part.strip("[]"))
+    return value

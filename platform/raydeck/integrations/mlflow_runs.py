@@ -189,9 +189,7 @@ class PluginRuns:
         it (see the module docstring)."""
         tracker = self.tracker(run_id)
         write(tracker)
-        with self._lock:
-            guest = run_id in self._guest_run_ids
-        if guest:
+        if run_id in self._guest_run_ids:  # one read of a set: atomic, no lock on this path
             tracker.flush()
 
     def end(self, run_id: str, status: str) -> bool:

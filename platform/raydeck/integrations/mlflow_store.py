@@ -188,6 +188,16 @@ class RaydeckStore(AbstractStore):
 
         self._write(run_id, write)
 
+    def log_metric(self, run_id: str, metric: Metric) -> None:
+        """One value (``mlflow.log_metric``): :meth:`log_batch`'s path for a single metric,
+        without MLflow's detour through a batch (this is every fluent call's cost).
+
+        Raises:
+            MlflowException: (``INVALID_PARAMETER_VALUE``) a key or value MLflow would refuse.
+        """
+        self._write(run_id, lambda tracker: tracker.log_metric(
+            metric.key, metric.value, metric.step, None, metric.timestamp))
+
     def log_batch_async(self, run_id: str, metrics: list[Metric], params: list[Param],
                         tags: list[RunTag]) -> RunOperations:
         """The same as :meth:`log_batch` (which never waits on MLflow); already complete."""

@@ -84,6 +84,8 @@ def metric_value(value: Any, keep_nonfinite: bool) -> tuple[float, str | None]:
 
 def step_problem(step: Any) -> str | None:
     """The rule ``step`` breaks, or None. Steps are non-negative integers."""
+    if type(step) is int:  # the common case, without the ABC check below (every log call)
+        return None if step >= 0 else f"step must be >= 0, got {step}"
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
         return f"step must be a non-negative int, got {type(step).__name__}"
     if step < 0:
