@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pytest_timeout import Settings as TimeoutSettings
 from xdist.remote import Producer
 
 from tests.fixtures.mlflow_server import MlflowServer
@@ -76,6 +77,9 @@ TEST_ENV = {
     "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
 }
 RAY_NUM_CPUS = 4
+# The session's own teardown (the shared Ray cluster, MLflow, S3 and Prometheus servers): its
+# bound, in place of the timeout of whichever test happens to run last.
+SESSION_TEARDOWN_TIMEOUT_S = 300
 RAY_START_ATTEMPTS = 3
 
 # Fixtures that start a Ray cluster or run a training job: a test using one (directly or
@@ -147,6 +151,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         rank = {name: index for index, name in enumerate(HEAVIEST_MODULES)}
         items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """The last test of a process also tears the session's fixtures down, inside its own
+    pytest-timeout: a 10 s unit test that came last ran out of time while the session's MLflow
+    server stopped (``ERROR at teardown``, seen once on a loaded machine). So before that
+    teardown the test's timer is swapped for one of the session teardown's own."""
+    if nextitem is not None:
+        return
+    hook = item.config.pluginmanager.hook
+    hook.pytest_timeout_cancel_timer(item=item)
+    hook.pytest_timeout_set_timer(item=item, settings=TimeoutSettings(
+        timeout=SESSION_TEARDOWN_TIMEOUT_S, method=item.config.getini("timeout_method") or
+        "signal", func_only=False, disable_debugger_detection=False))
 
 
 # The SIGINT handler of the test process before anything ran (Python's: KeyboardInterrupt).
