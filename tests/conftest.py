@@ -80,6 +80,9 @@ RAY_NUM_CPUS = 4
 # The session's own teardown (the shared Ray cluster, MLflow, S3 and Prometheus servers): its
 # bound, in place of the timeout of whichever test happens to run last.
 SESSION_TEARDOWN_TIMEOUT_S = 300
+# A test's setup, which starts the shared fixtures it is the first to use: its bound, in place
+# of the test's own timeout (which then covers the test's call and teardown).
+SHARED_SETUP_TIMEOUT_S = 600
 RAY_START_ATTEMPTS = 3
 
 # Fixtures that start a Ray cluster or run a training job: a test using one (directly or
@@ -153,19 +156,43 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
+def _swap_timer(item: pytest.Item, timeout_s: float) -> None:
+    """Replace ``item``'s running pytest-timeout timer with one of ``timeout_s``."""
+    hook = item.config.pluginmanager.hook
+    hook.pytest_timeout_cancel_timer(item=item)
+    hook.pytest_timeout_set_timer(item=item, settings=TimeoutSettings(
+        timeout=timeout_s, method=item.config.getini("timeout_method") or "signal",
+        func_only=False, disable_debugger_detection=False))
+
+
+def _own_timeout_s(item: pytest.Item) -> float:
+    """The test's own timeout: its ``timeout`` marker, else the ini's."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and (marker.args or "timeout" in marker.kwargs):
+        return float(marker.args[0] if marker.args else marker.kwargs["timeout"])
+    return float(item.config.getini("timeout"))
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    """A test's setup starts the session's and its module's shared fixtures when it is the first
+    to use them (the Ray cluster alone takes 40 s on an idle machine), inside the test's own
+    pytest-timeout: a 120 s test that came first on a loaded machine ran out of time in its
+    setup. So setup runs under a timer of its own (:data:`SHARED_SETUP_TIMEOUT_S`), and the
+    test's own timeout starts afresh for its call and teardown."""
+    _swap_timer(item, SHARED_SETUP_TIMEOUT_S)
+    yield
+    _swap_timer(item, _own_timeout_s(item))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
     """The last test of a process also tears the session's fixtures down, inside its own
     pytest-timeout: a 10 s unit test that came last ran out of time while the session's MLflow
     server stopped (``ERROR at teardown``, seen once on a loaded machine). So before that
     teardown the test's timer is swapped for one of the session teardown's own."""
-    if nextitem is not None:
-        return
-    hook = item.config.pluginmanager.hook
-    hook.pytest_timeout_cancel_timer(item=item)
-    hook.pytest_timeout_set_timer(item=item, settings=TimeoutSettings(
-        timeout=SESSION_TEARDOWN_TIMEOUT_S, method=item.config.getini("timeout_method") or
-        "signal", func_only=False, disable_debugger_detection=False))
+    if nextitem is None:
+        _swap_timer(item, SESSION_TEARDOWN_TIMEOUT_S)
 
 
 # The SIGINT handler of the test process before anything ran (Python's: KeyboardInterrupt).
