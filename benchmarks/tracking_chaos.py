@@ -30,10 +30,11 @@ run of the iteration to end and reads MLflow's database:
 - stuck: a run still RUNNING after the settle time, or a job that never exited.
 
 Prints one line per iteration, then counts per job and fault kind, lost/duplicated/stuck and the
-seed of the first failing iteration; ``--replay SEED`` runs that iteration alone.
+seed of the first failing iteration; ``--replay SEED`` runs that iteration alone, and
+``--first N`` goes on with a stopped run from its iteration N (same seeds).
 
 Run: ``.venv/bin/python benchmarks/tracking_chaos.py [--iterations 200] [--minutes 0]
-[--seed 1]``.
+[--seed 1] [--first 0]``.
 """
 
 from __future__ import annotations
@@ -413,6 +414,8 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=0.0,
                         help="stop starting iterations after this long (0: no limit)")
     parser.add_argument("--seed", type=int, default=1, help="iteration i uses seed*100000+i")
+    parser.add_argument("--first", type=int, default=0,
+                        help="the first iteration (to go on with a run that was stopped)")
     parser.add_argument("--replay", type=int, default=None, help="run one iteration's seed")
     parser.add_argument("--settle", type=float, default=120.0,
                         help="seconds a run may take to end and land after its job exited")
@@ -423,7 +426,7 @@ def main() -> None:
         run_job(args.job[0], Path(args.job[1]))
         return
     seeds = ([args.replay] if args.replay is not None
-             else [args.seed * 100_000 + i for i in range(args.iterations)])
+             else [args.seed * 100_000 + i for i in range(args.first, args.iterations)])
     with tempfile.TemporaryDirectory(prefix="raydeck-chaos-") as tmp:
         summarize(soak(Path(tmp), seeds, args))
 
