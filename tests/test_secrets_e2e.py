@@ -39,6 +39,8 @@ from pathlib import Path
 
 import pytest
 
+from raydeck.stack import postgres as stack_postgres
+from raydeck.stack.services import LOOPBACK, POSTGRES_DB, POSTGRES_USER
 from tests.conftest import TEST_ENV
 from tests.fixtures.mlflow_server import MlflowServer
 from tests.fixtures.postgres import PostgresServer, postgres_server
@@ -172,9 +174,6 @@ def _outage(scenario: Scenario, env: dict[str, str], name: str, down: Callable[[
 
 def _database_dump(postgres: PostgresServer) -> bytes:
     """Everything in MLflow's PostgreSQL database, as ``pg_dump`` writes it."""
-    from raydeck.stack import postgres as stack_postgres
-    from raydeck.stack.services import LOOPBACK, POSTGRES_DB, POSTGRES_USER
-
     install = stack_postgres.find_install(postgres.pgdata)
     return subprocess.run(
         [install.binary("pg_dump"), "-h", LOOPBACK, "-p", str(postgres.port), "-U",
