@@ -75,6 +75,31 @@ def test_one_bad_value_never_sinks_the_call(tracker: Any, mlflow_client: Any) ->
 
 
 @pytest.mark.timeout(120)
+def test_one_value_at_a_time_follows_the_same_rules_as_a_dict(tracker: Any,
+                                                              mlflow_client: Any) -> None:
+    """``log_metric`` (what ``mlflow.log_metric`` through the plugin calls) has a path of its
+    own for a known key, a finite float and a step: the step counter, the checks and what lands
+    are those of ``log_metrics``."""
+    tracker.log_metric("loss", 1.0, step=0)  # a new key: log_metrics' path
+    tracker.log_metric("loss", 2.0, step=5)  # the single-value path
+    with pytest.raises(TrackingValidationError, match="must be >= 0"):
+        tracker.log_metric("loss", 9.0, step=-1)
+    with pytest.raises(TrackingValidationError, match="must be numbers, got str"):
+        tracker.log_metric("loss", "9.0", step=6)  # type: ignore[arg-type]
+    tracker.log_metric("loss", float("nan"), step=7)  # stored as MLflow stores NaN
+    tracker.log_metric("loss", 3.0)  # no step: the counter, past every step logged
+    tracker.log_metric("loss", 4, step=9)  # an int: log_metrics' path, stored as a float
+    tracker.log_metric("loss", 5.0, step=2)  # an earlier step: logged, the counter kept
+    tracker.log_metric("loss", 6.0)
+    tracker.finish()
+    history = sorted((m.step, m.value) for m in
+                     mlflow_client.get_metric_history(tracker.run_id, "loss"))
+    assert [step for step, _ in history] == [0, 2, 5, 7, 8, 9, 10]
+    assert [value for _, value in history if not math.isnan(value)] == [
+        1.0, 5.0, 2.0, 3.0, 4.0, 6.0]
+
+
+@pytest.mark.timeout(120)
 def test_numpy_and_torch_scalars_are_metric_values(tracker: Any, mlflow_client: Any) -> None:
     import numpy as np
     import torch

@@ -187,7 +187,8 @@ class PluginRuns:
     def write(self, run_id: str, write: Callable[[Tracker], None]) -> None:
         """Apply ``write`` to ``run_id``'s tracker; a guest write returns once the proxy holds
         it (see the module docstring)."""
-        tracker = self.tracker(run_id)
+        # A bound run's tracker without the lock (one dict read is atomic): every write's path.
+        tracker = self._trackers.get(run_id) or self.tracker(run_id)
         write(tracker)
         if run_id in self._guest_run_ids:  # one read of a set: atomic, no lock on this path
             tracker.flush()

@@ -350,8 +350,11 @@ class Delivery:
             self._room.notify_all()
             return batch, staged
 
-    def _deliver_all(self, deadline: float) -> None:
-        """Send until the buffer is empty; retry with backoff until ``deadline``.
+    def _deliver_all(self, deadline: float, drain: bool = True) -> None:
+        """Send until the buffer is empty (``drain``), or only what it held when this started
+        (the flusher: points logged meanwhile wait for its next round, so a busy loop's points
+        go in one batch per round, not in many small ones that each cost a Ray call here and a
+        request to MLflow); retry with backoff until ``deadline``.
 
         One sender at a time: a caller waits for the flusher thread's retries only until its
         own ``deadline`` (the flusher's is ``DELIVERY_TIMEOUT_S`` away), then fails with the
@@ -363,6 +366,8 @@ class Delivery:
                 f"({self._last_failure or 'another delivery still running'}); "
                 f"{self.buffered().describe()} still buffered in this process")
         delay = 0.1
+        with self._lock:
+            owed = len(self._buffer.points)
         try:
             while True:
                 try:
@@ -373,11 +378,14 @@ class Delivery:
                     batch, staged = self._unacked
                     self._send(batch, staged, deadline)
                     self._unacked = None
+                    owed -= len(batch.points)
                     for path in staged:
                         shutil.rmtree(path.parent, ignore_errors=True)
                     delay = 0.1
                     self._warned_unavailable = False
                     self._last_failure = ""
+                    if not drain and owed <= 0:
+                        return
                 except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError,
                         ray.exceptions.RaySystemError, ray.exceptions.RayTaskError) as exc:
                     reason = _reason(exc)
@@ -444,9 +452,13 @@ class Delivery:
 
     # --- background threads ---------------------------------------------------------------------
     def _flush_forever(self) -> None:
+        """One round per flush interval, counted from the last round's start: a point waits at
+        most one interval (or one send, if a send takes longer) before it is on its way."""
+        started = time.monotonic()
         while not self._closed.is_set():
-            self._wake.wait(self._flush_interval_s)
+            self._wake.wait(max(0.0, started + self._flush_interval_s - time.monotonic()))
             self._wake.clear()
+            started = time.monotonic()
             if self._closed.is_set():
                 return
             if self._binding is None and self.attach(ROUTER_CALL_TIMEOUT_S) is None:
@@ -454,7 +466,7 @@ class Delivery:
                 continue
             try:
                 self._collect()
-                self._deliver_all(time.monotonic() + DELIVERY_TIMEOUT_S)
+                self._deliver_all(time.monotonic() + DELIVERY_TIMEOUT_S, drain=False)
             except TrackingUnavailableError:
                 pass  # kept buffered; warned once by _deliver_all
             except Exception:

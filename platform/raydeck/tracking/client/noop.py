@@ -66,6 +66,11 @@ class NoOpTracker(Tracker):
     def active(self) -> bool:
         return False
 
+    def log_metric(self, key: str, value: float, step: int | None = None,
+                   synchronous: bool | None = None, timestamp: int | None = None,
+                   *, strict: bool = True) -> None:
+        return None
+
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None,
                     synchronous: bool | None = None, timestamp: int | None = None,
                     *, strict: bool = True) -> None:

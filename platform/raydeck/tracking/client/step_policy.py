@@ -52,8 +52,23 @@ class StepPolicy:
     def log_metric(self, key: str, value: float, step: int | None = None,
                    synchronous: bool | None = None, timestamp: int | None = None,
                    *, strict: bool = True) -> None:
-        """Log one metric value. See :meth:`log_metrics`."""
-        self.log_metrics({key: value}, step, synchronous, timestamp, strict=strict)
+        """Log one metric value. See :meth:`log_metrics`.
+
+        The common case (a key logged before, a finite float, an explicit step, no steps of an
+        earlier attempt to skip) goes straight to the buffer: this is the cost of every
+        ``mlflow.log_metric`` call through the plugin. Everything else takes
+        :meth:`log_metrics`' path, which raises or corrects exactly as that documents.
+        """
+        final = self._keys.get(key)
+        if (final is None or type(value) is not float or value - value != 0.0
+                or type(step) is not int or step < 0 or self._logged_through or synchronous):
+            self.log_metrics({key: value}, step, synchronous, timestamp, strict=strict)
+            return
+        stamp = int(time.time() * 1000) if timestamp is None else int(timestamp)
+        with self._lock:
+            if self._next_step <= step:
+                self._next_step = step + 1
+        self._delivery.add_points([(final, value, stamp, step)])
 
     def log_metrics(self, metrics: dict[str, Any], step: int | None = None,
                     synchronous: bool | None = None, timestamp: int | None = None,
