@@ -32,11 +32,11 @@ from raydeck.config.settings import RUN_KEY_PATTERN, Settings, load_settings
 from raydeck.errors import ConfigError
 from raydeck.tracking.client import lifecycle
 from raydeck.tracking.client.context import detect_process
-from raydeck.tracking.client.delivery import attach_to_router
 from raydeck.tracking.client.modes import check_mode
 from raydeck.tracking.client.noop import NoOpTracker
 from raydeck.tracking.client.tracker import Tracker
 from raydeck.tracking.messages import AttachRequest, RunBinding
+from raydeck.tracking.proxy.actors import attach_to_router
 
 logger = logging.getLogger(__name__)
 

@@ -43,8 +43,7 @@ from raydeck.tracking.messages import (
     Point,
     RunBinding,
 )
-from raydeck.tracking.proxy.actors import get_router, get_shard
-from raydeck.tracking.proxy.router import STOPPING
+from raydeck.tracking.proxy.actors import attach_to_router, get_router, get_shard
 
 logger = logging.getLogger(__name__)
 
@@ -55,34 +54,6 @@ POINT_BYTES = 64  # what one buffered point costs, roughly, besides its key
 MAX_BATCH_LOG_BYTES = 1024 * 1024
 DROP_WARNING_INTERVAL_S = 60.0
 DROPPED_TAG = "raydeck.buffer_dropped_values"
-# Between two attaches while the proxy stops itself (it is gone within moments).
-STOPPING_RETRY_S = 0.2
-
-
-def attach_to_router(settings: Settings, request: AttachRequest, timeout_s: float
-                     ) -> tuple[RunBinding, Any]:
-    """Attach ``request`` to its run; returns the binding and the router that gave it.
-
-    A proxy that is stopping itself (idle) refuses attaches (``STOPPING``) until it is gone;
-    this attaches again until the next proxy (created by ``get_router``) answers, within
-    ``timeout_s``.
-
-    Raises:
-        whatever the last try raised (``ray.get``'s errors, a refusal), once ``timeout_s`` is
-        spent.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        router = get_router(settings)
-        try:
-            binding: RunBinding = ray.get(router.attach.remote(request),
-                                          timeout=max(0.1, deadline - time.monotonic()))
-            return binding, router
-        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
-            stopping = isinstance(exc, ray.exceptions.RayActorError) or STOPPING in str(exc)
-            if not stopping or time.monotonic() + STOPPING_RETRY_S >= deadline:
-                raise
-            time.sleep(STOPPING_RETRY_S)
 
 
 @dataclass

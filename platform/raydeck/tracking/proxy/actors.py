@@ -1,4 +1,4 @@
-"""The tracking proxy as Ray actors: names, options, creation and shutdown.
+"""The tracking proxy as Ray actors: names, options, creation, attaching and shutdown.
 
 The proxy is one router and ``RAYDECK_TRACKING_SHARDS`` shards, named detached actors in
 raydeck's Ray namespace, created race-free (``get_if_exists``) by whichever process needs them
@@ -32,7 +32,7 @@ from raydeck.tracking.proxy.direct_store import write_target
 from raydeck.tracking.proxy.liveness import ray_liveness
 from raydeck.tracking.proxy.membership import MembershipStore
 from raydeck.tracking.proxy.outbox import Control
-from raydeck.tracking.proxy.router import REAP_INTERVAL_S, RouterCore
+from raydeck.tracking.proxy.router import REAP_INTERVAL_S, STOPPING, RouterCore
 from raydeck.tracking.proxy.run_lookup import MlflowLookup
 from raydeck.tracking.proxy.shard_actor import Shard
 from raydeck.tracking.proxy.shard_pool import ShardPool
@@ -236,6 +236,9 @@ class Router:
                 logger.exception("router reaper failed; retrying")
 
 
+# Between two attaches while the proxy stops itself (it is gone within moments).
+STOPPING_RETRY_S = 0.2
+
 _shard_actor = _actor_class(Shard)
 _router_actor = _actor_class(Router)
 
@@ -252,6 +255,32 @@ def get_router(settings: Settings) -> Any:
         ).remote(proxy_config(settings))
     except ValueError as exc:
         raise TrackingUnavailableError(f"cannot create the tracking proxy: {exc}") from None
+
+
+def attach_to_router(settings: Settings, request: AttachRequest, timeout_s: float
+                     ) -> tuple[RunBinding, Any]:
+    """Attach ``request`` to its run; returns the binding and the router that gave it.
+
+    A proxy that is stopping itself (idle) refuses attaches (``STOPPING``) until it is gone;
+    this attaches again until the next proxy (created by ``get_router``) answers, within
+    ``timeout_s``.
+
+    Raises:
+        whatever the last try raised (``ray.get``'s errors, a refusal), once ``timeout_s`` is
+        spent.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        router = get_router(settings)
+        try:
+            binding: RunBinding = ray.get(router.attach.remote(request),
+                                          timeout=max(0.1, deadline - time.monotonic()))
+            return binding, router
+        except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
+            stopping = isinstance(exc, ray.exceptions.RayActorError) or STOPPING in str(exc)
+            if not stopping or time.monotonic() + STOPPING_RETRY_S >= deadline:
+                raise
+            time.sleep(STOPPING_RETRY_S)
 
 
 def find_router(namespace: str) -> Any | None:

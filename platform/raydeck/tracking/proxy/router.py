@@ -71,7 +71,7 @@ SUSPECT_AFTER_BEATS = 2.5
 # a tracker attach again); the oldest are forgotten first.
 MAX_DEPARTED = 10_000
 # The message of the error an attach gets while the proxy stops itself; clients attach again to
-# the next proxy (:func:`raydeck.tracking.client.delivery.attach_to_router`).
+# the next proxy (:func:`raydeck.tracking.proxy.actors.attach_to_router`).
 STOPPING = "the tracking proxy is stopping itself (idle)"
 
 
