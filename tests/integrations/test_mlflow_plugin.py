@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,21 @@ def test_proxied_artifact_locations_resolve_against_a_raydeck_uris_backend() -> 
     served = "http://h:5000/api/2.0/mlflow-artifacts/artifacts/1/abc/artifacts"
     for tracking_uri in ("raydeck+http://h:5000", "http://h:5000"):
         assert get_artifact_repository(location, tracking_uri=tracking_uri).artifact_uri == served
+
+
+@pytest.mark.timeout(120)
+def test_the_repository_is_registered_when_raydeck_imports_it_before_mlflow() -> None:
+    """A fresh process whose first import is the repository's module: MLflow's registry loads
+    the entry point while that module is half imported (and warns); the module registers the
+    class itself once it exists."""
+    code = ("import raydeck.integrations.mlflow_artifacts as ours\n"
+            "from mlflow.store.artifact.artifact_repository_registry import "
+            "get_registered_artifact_repositories\n"
+            "print(get_registered_artifact_repositories()['mlflow-artifacts'] is "
+            "ours.RaydeckArtifactsRepository)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=100, check=True)
+    assert done.stdout.strip() == "True", done.stderr[-2000:]
 
 
 @pytest.mark.timeout(120)

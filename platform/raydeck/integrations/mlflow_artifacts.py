@@ -15,6 +15,7 @@ before. Artifacts still go to the server directly and synchronously, as plain ML
 
 from __future__ import annotations
 
+from mlflow.store.artifact import artifact_repository_registry
 from mlflow.store.artifact.mlflow_artifacts_repo import MlflowArtifactsRepository
 from mlflow.tracking._tracking_service.utils import get_tracking_uri
 
@@ -32,3 +33,13 @@ class RaydeckArtifactsRepository(MlflowArtifactsRepository):
         if uri.startswith(RAYDECK_URI_SCHEME):
             uri = backend_settings(uri).tracking.uri
         super().__init__(artifact_uri, tracking_uri=uri, registry_uri=registry_uri)
+
+
+# When this module is the first to import MLflow's artifact registry (a process that imports it
+# before MLflow), the registry loads its entry points while this module is half imported, cannot
+# find the class (MLflow warns "partially initialized module"), and keeps its own repository for
+# the scheme: register it now that the class exists.
+if artifact_repository_registry.get_registered_artifact_repositories().get(
+        "mlflow-artifacts") is not RaydeckArtifactsRepository:
+    artifact_repository_registry._artifact_repository_registry.register(
+        "mlflow-artifacts", RaydeckArtifactsRepository)
