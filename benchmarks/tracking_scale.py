@@ -4,10 +4,11 @@ Each Ray node (a ``ray start`` head and ``ray start --address`` worker nodes on 
 as several machines would be) runs rank-host actors; each host holds many virtual ranks, each a
 real raydeck :class:`~raydeck.tracking.client.tracker.Tracker` attached through raydeck's own attach
 path (its own ``ProcessInfo``: rank, world size, the host actor as its Ray actor), so every
-rank has its own buffer, flusher, heartbeats, router membership and shard batches, exactly as
-a Ray Train worker's tracker has. The ranks of one run (``--ranks-per-run``) log in
-``all_ranks`` mode, so every rank's points reach the proxy. All ranks attach at once (a job
-start), then log ``--metrics`` metrics per step every ``--step-interval`` seconds.
+rank has its own buffer, flusher, router membership and shard batches, exactly as a Ray Train
+worker's tracker has (the host process's one heartbeat call names all of its ranks). The ranks
+of one run (``--ranks-per-run``) log in ``all_ranks`` mode, so every rank's points reach the
+proxy. All ranks attach at once (a job start), then log ``--metrics`` metrics per step every
+``--step-interval`` seconds.
 
 Reported: attach time (p50/p99/max), the router's and shards' CPU and calls/s, end-to-end
 points/s and delivery latency (log call to the row in MLflow's database, sampled by polling
@@ -481,7 +482,7 @@ def run_scale(load: Load, settings: Any, mlflow_db: Path, work_dir: Path,
         "log_call_us_per_rank_step": 1e6 * sum(r["call_s"] for r in results.values())
         / max(1, sum(r["steps"] for r in results.values()) * load.ranks_per_host),
         "ingest_calls_per_s": calls / max(1e-9, logging_s),
-        "heartbeats_per_s": load.ranks / 5.0,
+        "heartbeats_per_s": load.hosts / 5.0,  # one call a process (client/heartbeats.py)
         "participants_at_load_end": participants,
         "run_status": {k: rows[k][1] for k in run_keys},
         "false_killed_runs": sum(1 for k in live_runs if rows[k][1] != "FINISHED"),

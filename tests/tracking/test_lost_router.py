@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from raydeck.errors import TrackingUnavailableError
+from raydeck.tracking.client import heartbeats
 from raydeck.tracking.messages import AttachRequest, ProcessInfo, ProxyConfig
 from raydeck.tracking.proxy.membership import MembershipStore
 from raydeck.tracking.proxy.outbox import Control
@@ -201,9 +202,8 @@ def test_the_router_restarted_while_a_tracker_logs_then_finish(
         # (the run is found in MLflow and reopened) and leave, ending the run.
         ended = delivery.detach("FINISHED", time.monotonic() + 60)
         assert ended == [key]
-        # Now the heartbeat thread's next round reads that answer.
-        delivery._heartbeat_ref = late
-        delivery._heartbeat()
+        # Now the process's heartbeat thread reads that answer, as its next round would.
+        heartbeats.answered(late, [delivery])
         run = _router_run(namespace, key)
         assert (run["state"], run["participants"]) == ("ended", 0), run
         report = tracker.finish()

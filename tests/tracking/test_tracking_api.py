@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from raydeck.errors import TrackingValidationError
+from tests.fixtures.processes import wait_until
 
 
 def _listing(client: Any, run_id: str, path: str | None = None) -> set[str]:
@@ -109,6 +110,27 @@ def test_one_step_counter_per_tracker_unless_step_is_given(ray_cluster: None,
     assert steps("loss") == [0, 1, 11]
     assert steps("acc") == [0, 2]
     assert steps("lr") == [10]
+
+
+@pytest.mark.timeout(120)
+def test_an_idle_flusher_sleeps_until_data_arrives(ray_cluster: None, mlflow_client: Any
+                                                   ) -> None:
+    """With nothing buffered the flusher sleeps (no round every 0.2 s in every process); the
+    next value wakes it at once and lands without a flush, and a tracker finishing while its
+    flusher sleeps stops it."""
+    import raydeck
+
+    tracker = raydeck.get_tracker(run_name=f"idle-{uuid.uuid4().hex[:6]}")
+    delivery = tracker._open_delivery
+    tracker.log_metrics({"loss": 1.0}, step=0)
+    wait_until(lambda: delivery._idle, 30, "the flusher asleep with nothing buffered")
+    tracker.log_metrics({"loss": 0.5}, step=1)
+    assert not delivery._idle  # the value woke it
+    wait_until(lambda: len(mlflow_client.get_metric_history(tracker.run_id, "loss")) == 2, 60,
+               "both values in MLflow, sent by the flusher")
+    wait_until(lambda: delivery._idle, 30, "the flusher asleep again")
+    tracker.finish()
+    assert not delivery._thread.is_alive()
 
 
 @pytest.mark.timeout(180)

@@ -33,6 +33,36 @@ LOGGING_DRIVER = """
 """
 
 
+@pytest.mark.timeout(120)
+def test_one_heartbeat_a_process_names_all_its_trackers(ray_cluster: None) -> None:
+    """Two trackers in one process: the process's heartbeat thread tells the router about both
+    in one call (heartbeats.py), the router knows both, and one that finished is no longer
+    named while the other still is."""
+    import ray
+
+    import raydeck
+    from raydeck.tracking.client.heartbeats import PROCESS_HEARTBEAT
+
+    first = raydeck.get_tracker(run_name=f"beat-a-{uuid.uuid4().hex[:6]}")
+    second = raydeck.get_tracker(run_name=f"beat-b-{uuid.uuid4().hex[:6]}")
+    router = first._open_delivery.heartbeat_router()
+    clients = {first._open_delivery.client_id, second._open_delivery.client_id}
+
+    def named() -> set[str]:
+        """Who the outstanding call to this router names (the heartbeat thread's record)."""
+        pending = PROCESS_HEARTBEAT._pending.get(router._actor_id.hex())
+        return {member.client_id for member in pending[1]} if pending else set()
+
+    wait_until(lambda: clients <= named(), 30, "one heartbeat call naming both trackers")
+    assert ray.get(router.heartbeat.remote(sorted(clients)), timeout=30) == []
+    first.finish()
+    # (other trackers of this test process, from earlier tests, may be named too)
+    wait_until(lambda: second._open_delivery.client_id in named()
+               and first._open_delivery.client_id not in named(), 30,
+               "a call naming the tracker still in its run, not the one that finished")
+    second.finish()
+
+
 @pytest.mark.timeout(300)
 def test_two_processes_with_one_run_id_share_a_run_and_only_the_primary_ends_it(
     ray_cluster: None, mlflow_client: Any

@@ -1,18 +1,15 @@
-"""A tracker's way to the proxy: the bounded buffer, the flusher and heartbeat threads.
+"""A tracker's way to the proxy: batches out of its bounded buffer, and the flusher thread.
 
-Owns: what a process has logged and the proxy has not yet acknowledged (bounded in points and
-bytes), cutting it into batches (at most ``max_batch_points`` points each), sending one batch at
-a time and keeping it until its shard has spooled it, streaming artifact files to the shard in
-chunks (never whole into memory), attaching to the run in the background when the proxy was
-unreachable at ``get_tracker`` time, finding the proxy again after it restarted, and heartbeats.
+Owns: what a process has logged and the proxy has not yet acknowledged, cut into batches (at
+most ``max_batch_points`` points each), sending one batch at a time and keeping it until its
+shard has spooled it, streaming artifact files to the shard in chunks (never whole into
+memory), attaching to the run in the background when the proxy was unreachable at
+``get_tracker`` time, finding the proxy again after it restarted (also when the process's
+heartbeat, :mod:`~raydeck.tracking.client.heartbeats`, finds the router forgot it).
 Does not own: validation or the MLflow-like API (:mod:`raydeck.tracking.client.tracker`).
 
-Back-pressure: the buffer holds at most ``RAYDECK_TRACKING_MAX_BUFFER_POINTS`` points and
-``RAYDECK_TRACKING_MAX_BUFFER_MB`` of data. It only fills while the proxy cannot take data (its
-spool is on disk, so an MLflow outage does not fill it). A log call that finds it full waits for
-room up to ``RAYDECK_TRACKING_BUFFER_FULL_WAIT_S``; if there is still none, that call's values are
-dropped and counted (a warning, and the tag ``raydeck.dropped_values`` once the proxy is back),
-so training is delayed by a bounded time and never stopped, and nothing is dropped silently.
+The bounded buffer and its back-pressure are
+:class:`~raydeck.tracking.client.send_buffer.SendBuffer`'s, which :class:`Delivery` extends.
 """
 
 from __future__ import annotations
@@ -26,7 +23,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +31,13 @@ import ray
 
 from raydeck.config.settings import Settings
 from raydeck.errors import ConfigError, TrackingSpoolFullError, TrackingUnavailableError
+from raydeck.tracking.client.heartbeats import PROCESS_HEARTBEAT
+from raydeck.tracking.client.send_buffer import SendBuffer
 from raydeck.tracking.messages import (
     AttachRequest,
     Batch,
-    DatasetRef,
     FileRef,
     Pending,
-    Point,
     RunBinding,
 )
 from raydeck.tracking.proxy.actors import attach_to_router, get_router, get_shard
@@ -50,28 +47,13 @@ logger = logging.getLogger(__name__)
 DELIVERY_TIMEOUT_S = 30.0
 ROUTER_CALL_TIMEOUT_S = 60.0
 UPLOAD_CHUNK_BYTES = 4 * 1024 * 1024
-POINT_BYTES = 64  # what one buffered point costs, roughly, besides its key
-MAX_BATCH_LOG_BYTES = 1024 * 1024
-DROP_WARNING_INTERVAL_S = 60.0
-DROPPED_TAG = "raydeck.buffer_dropped_values"
+# An idle flusher (nothing buffered) sleeps until data arrives, looking at console output and
+# system metrics this often meanwhile: a process's thousands of idle rounds a second cost the
+# machine's CPU at scale (1,024 ranks on one machine, docs/scale.md).
+IDLE_POLL_S = 1.0
 
 
-@dataclass
-class _Buffer:
-    points: list[Point] = field(default_factory=list)
-    params: dict[str, str] = field(default_factory=dict)
-    tags: dict[str, str] = field(default_factory=dict)
-    files: list[tuple[FileRef, Path]] = field(default_factory=list)
-    inputs: list[DatasetRef] = field(default_factory=list)
-    logs: list[tuple[str, str]] = field(default_factory=list)
-    nbytes: int = 0
-
-    def empty(self) -> bool:
-        return not (self.points or self.params or self.tags or self.files or self.inputs
-                    or self.logs)
-
-
-class Delivery:
+class Delivery(SendBuffer):
     """Buffers what one tracker logged and delivers it to the run's shard, in order.
 
     Thread-safe. ``collect`` runs in the flusher thread before each round (the tracker adds
@@ -80,28 +62,19 @@ class Delivery:
 
     def __init__(self, settings: Settings, request: AttachRequest, binding: RunBinding | None,
                  collect: Callable[[], None], on_bound: Callable[[RunBinding], None]) -> None:
+        super().__init__(settings.tracking)
         tracking = settings.tracking
         self._settings = settings
         self._request = request
         self._binding = binding
         self._collect = collect
         self._on_bound = on_bound
-        self._max_points = tracking.max_buffer_points
-        self._max_bytes = int(tracking.max_buffer_mb * 1024 * 1024)
-        self._batch_points = tracking.max_batch_points
-        self._full_wait_s = tracking.buffer_full_wait_s
         self._flush_interval_s = tracking.flush_interval_s
         self._retry_max_s = tracking.retry_max_s
-        self._heartbeat_interval_s = tracking.heartbeat_interval_s
-        self._lock = threading.RLock()
-        self._room = threading.Condition(self._lock)
+        self.heartbeat_interval_s = tracking.heartbeat_interval_s
         self._send_lock = threading.Lock()
-        self._buffer = _Buffer()
         self._unacked: tuple[Batch, list[Path]] | None = None
         self._seq = 0
-        self._dropped = 0
-        self._dropped_reported = 0
-        self._last_drop_warning = 0.0
         self._warned_unavailable = False
         self._last_failure = ""  # why the latest delivery attempt failed; "" after a success
         self._staging = Path(tempfile.gettempdir()) / f"raydeck-staging-{os.getpid()}" / (
@@ -116,19 +89,14 @@ class Delivery:
         # nobody ends it again. ``_attach_lock`` orders a reconnect under way before the detach.
         self._leaving = False
         self._attach_lock = threading.Lock()
-        self._wake = threading.Event()
-        self._heartbeat_ref: Any = None
         if binding is not None:
             self._bind(binding)
         self._thread = threading.Thread(target=self._flush_forever, daemon=True,
                                         name=f"raydeck-tracker-{request.client_id[:8]}")
         self._thread.start()
         # A guest is no participant of its run: nothing to keep alive, nothing to leave.
-        self._heartbeat_thread = None if request.guest else threading.Thread(
-            target=self._heartbeat_forever, daemon=True,
-            name=f"raydeck-heartbeat-{request.client_id[:8]}")
-        if self._heartbeat_thread is not None:
-            self._heartbeat_thread.start()
+        if not request.guest:
+            PROCESS_HEARTBEAT.join(self)
 
     # --- binding ------------------------------------------------------------------------------
     @property
@@ -192,54 +160,6 @@ class Delivery:
                 "answer); its data is buffered")
         return self._shard
 
-    # --- adding (caller's thread) ---------------------------------------------------------------
-    def add_points(self, points: list[Point]) -> None:
-        """Buffer points; waits for room up to the bound, then drops and counts them."""
-        if not points:
-            return
-        size = len(points) * POINT_BYTES
-        with self._lock:
-            buffer = self._buffer
-            if len(buffer.points) + len(points) > self._max_points or (
-                    buffer.nbytes + size > self._max_bytes):
-                self._wake.set()
-                deadline = time.monotonic() + self._full_wait_s
-                while (len(buffer.points) + len(points) > self._max_points
-                       or buffer.nbytes + size > self._max_bytes):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        self._drop(len(points))
-                        return
-                    self._room.wait(left)
-                    buffer = self._buffer
-            buffer.points.extend(points)
-            buffer.nbytes += size
-            full = len(buffer.points) >= self._batch_points
-        if full:
-            self._wake.set()
-
-    def _drop(self, n: int) -> None:
-        """Count values dropped because the buffer stayed full. Caller holds the lock."""
-        self._dropped += n
-        now = time.monotonic()
-        if now - self._last_drop_warning > DROP_WARNING_INTERVAL_S:
-            self._last_drop_warning = now
-            logger.warning(
-                "tracking buffer full for %.0f s (the proxy is not taking data); dropped %d "
-                "value(s) so far (the run gets the tag %s); raise "
-                "RAYDECK_TRACKING_MAX_BUFFER_POINTS/_MB or check `raydeck tracking status`",
-                self._full_wait_s, self._dropped, DROPPED_TAG)
-
-    def add_params(self, params: dict[str, str]) -> None:
-        with self._lock:
-            self._buffer.params.update(params)
-            self._buffer.nbytes += sum(len(k) + len(v) for k, v in params.items())
-
-    def add_tags(self, tags: dict[str, str]) -> None:
-        with self._lock:
-            self._buffer.tags.update(tags)
-            self._buffer.nbytes += sum(len(k) + len(v) for k, v in tags.items())
-
     def add_file(self, source: Path, artifact_dir: str, name: str) -> None:
         """Copy ``source`` to a staging file now (the caller may change it after we return)."""
         upload_id = uuid.uuid4().hex
@@ -248,19 +168,7 @@ class Delivery:
         staged = folder / "data"
         shutil.copyfile(source, staged)
         ref = FileRef(upload_id, artifact_dir, name, staged.stat().st_size)
-        with self._lock:
-            self._buffer.files.append((ref, staged))
-        self._wake.set()
-
-    def add_input(self, dataset: DatasetRef) -> None:
-        with self._lock:
-            self._buffer.inputs.append(dataset)
-        self._wake.set()
-
-    def add_log(self, name: str, text: str) -> None:
-        with self._lock:
-            self._buffer.logs.append((name, text))
-            self._buffer.nbytes += len(text)
+        self._add_staged(ref, staged)
 
     def buffered(self) -> Pending:
         with self._lock:
@@ -290,36 +198,21 @@ class Delivery:
         self._deliver_all(deadline)
 
     def _take_batch(self) -> tuple[Batch, list[Path]] | None:
+        """The next batch (``_seq`` its number), or None when nothing is buffered. Caller
+        holds ``_send_lock``."""
         assert self._binding is not None
-        with self._lock:
-            buffer = self._buffer
-            if self._dropped > self._dropped_reported:
-                buffer.tags[DROPPED_TAG] = str(self._dropped)
-                self._dropped_reported = self._dropped
-            if buffer.empty():
-                return None
-            points = buffer.points[:self._batch_points]
-            rest = buffer.points[self._batch_points:]
-            logs: list[tuple[str, str]] = []
-            log_bytes = 0
-            while buffer.logs and (not logs or log_bytes + len(buffer.logs[0][1])
-                                   <= MAX_BATCH_LOG_BYTES):
-                logs.append(buffer.logs.pop(0))
-                log_bytes += len(logs[-1][1])
-            binding = self._binding
-            batch = Batch(
-                client_id=self._request.client_id, seq=self._seq, run_key=binding.run_key,
-                params_run_key=binding.params_run_key, points=points, params=buffer.params,
-                tags=buffer.tags, files=[ref for ref, _ in buffer.files],
-                inputs=buffer.inputs, logs=logs, rank_of=self._rank_of,
-            )
-            staged = [path for _, path in buffer.files]
-            self._buffer = _Buffer(
-                points=rest, logs=buffer.logs,
-                nbytes=len(rest) * POINT_BYTES + sum(len(text) for _, text in buffer.logs))
-            self._seq += 1
-            self._room.notify_all()
-            return batch, staged
+        cut = self._cut()
+        if cut is None:
+            return None
+        binding = self._binding
+        batch = Batch(
+            client_id=self._request.client_id, seq=self._seq, run_key=binding.run_key,
+            params_run_key=binding.params_run_key, points=cut.points, params=cut.params,
+            tags=cut.tags, files=[ref for ref, _ in cut.files], inputs=cut.inputs,
+            logs=cut.logs, rank_of=self._rank_of,
+        )
+        self._seq += 1
+        return batch, [path for _, path in cut.files]
 
     def _deliver_all(self, deadline: float, drain: bool = True) -> None:
         """Send until the buffer is empty (``drain``), or only what it held when this started
@@ -424,10 +317,23 @@ class Delivery:
     # --- background threads ---------------------------------------------------------------------
     def _flush_forever(self) -> None:
         """One round per flush interval, counted from the last round's start: a point waits at
-        most one interval (or one send, if a send takes longer) before it is on its way."""
+        most one interval (or one send, if a send takes longer) before it is on its way.
+
+        With nothing buffered after a round, the flusher sleeps until data arrives (then waits
+        one interval, so the values a step logs in several calls go together) or
+        ``IDLE_POLL_S`` passes (console output and system metrics are collected then).
+        """
         started = time.monotonic()
         while not self._closed.is_set():
-            self._wake.wait(max(0.0, started + self._flush_interval_s - time.monotonic()))
+            if self._idle:
+                if self._wake.wait(IDLE_POLL_S) and not self._closed.is_set():
+                    self._wake.clear()
+                    started = time.monotonic()
+                    self._wake.wait(self._flush_interval_s)
+                with self._lock:
+                    self._idle = False
+            else:
+                self._wake.wait(max(0.0, started + self._flush_interval_s - time.monotonic()))
             self._wake.clear()
             started = time.monotonic()
             if self._closed.is_set():
@@ -442,31 +348,16 @@ class Delivery:
                 pass  # kept buffered; warned once by _deliver_all
             except Exception:
                 logger.exception("tracking flusher failed; retrying")
+            with self._lock:
+                self._idle = self._unacked is None and self._buffer.empty()
 
-    def _heartbeat_forever(self) -> None:
-        """Tell the router this process lives. A thread of its own, so a slow delivery never
-        makes a live process look dead."""
-        while not self._closed.wait(self._heartbeat_interval_s):
-            try:
-                self._heartbeat()
-            except Exception as exc:
-                logger.debug("heartbeat failed: %s", exc)
-
-    def _heartbeat(self) -> None:
-        if self._router is None or self._binding is None or self._leaving:
-            return
-        previous = self._heartbeat_ref
-        if previous is not None:
-            ready, _ = ray.wait([previous], timeout=0)
-            if not ready:
-                return  # the last one has not been answered: do not pile up calls
-            try:
-                if ray.get(ready[0]):
-                    logger.info("router did not know this tracker (restarted?); re-attaching")
-                    self.reconnect()
-            except ray.exceptions.RayError:
-                self.reconnect()
-        self._heartbeat_ref = self._router.heartbeat.remote([self._request.client_id])
+    def heartbeat_router(self) -> Any | None:
+        """The router the process's heartbeat tells that this tracker lives (heartbeats.py);
+        None while unbound or leaving."""
+        if self._router is None or self._binding is None or self._leaving or (
+                self._closed.is_set()):
+            return None
+        return self._router
 
     def detach(self, status: str, deadline: float) -> list[str]:
         """Leave the run; returns the keys of runs this ended. Retries until ``deadline``
@@ -512,13 +403,13 @@ class Delivery:
         local Ray inside the dying process."""
         self._closed.set()
         self._wake.set()
+        PROCESS_HEARTBEAT.leave(self)
 
     def close(self) -> None:
         self.stop()
         current = threading.current_thread()
-        for thread in (self._thread, self._heartbeat_thread):
-            if thread is not None and thread is not current:
-                thread.join(timeout=5)
+        if self._thread is not current:
+            self._thread.join(timeout=5)
         with contextlib.suppress(OSError):
             shutil.rmtree(self._staging, ignore_errors=True)
             # The process's staging folder too, once its last tracker closed (another tracker of
