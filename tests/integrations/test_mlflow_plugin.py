@@ -68,18 +68,22 @@ def test_proxied_artifact_locations_resolve_against_a_raydeck_uris_backend() -> 
 
 
 @pytest.mark.timeout(120)
-def test_the_repository_is_registered_when_raydeck_imports_it_before_mlflow() -> None:
-    """A fresh process whose first import is the repository's module: MLflow's registry loads
-    the entry point while that module is half imported (and warns); the module registers the
-    class itself once it exists."""
-    code = ("import raydeck.integrations.mlflow_artifacts as ours\n"
+@pytest.mark.parametrize("first", ["mlflow.store.artifact.artifact_repository_registry",
+                                   "raydeck.integrations.mlflow_artifacts"])
+def test_the_repository_is_registered_whichever_is_imported_first(first: str) -> None:
+    """A fresh process, in both orders: MLflow's registry loading the entry point (the usual
+    order), and the repository's module imported first, so that MLflow's registry loads the
+    entry point while that module is half imported (and warns); both end with raydeck's class
+    registered for ``mlflow-artifacts``."""
+    code = (f"import {first}\n"  # nothing else imports raydeck's module again
             "from mlflow.store.artifact.artifact_repository_registry import "
             "get_registered_artifact_repositories\n"
-            "print(get_registered_artifact_repositories()['mlflow-artifacts'] is "
-            "ours.RaydeckArtifactsRepository)\n")
+            "repository = get_registered_artifact_repositories()['mlflow-artifacts']\n"
+            "print(repository.__module__, repository.__name__)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=100, check=True)
-    assert done.stdout.strip() == "True", done.stderr[-2000:]
+    assert done.stdout.split() == ["raydeck.integrations.mlflow_artifacts",
+                                   "RaydeckArtifactsRepository"], done.stderr[-2000:]
 
 
 @pytest.mark.timeout(120)

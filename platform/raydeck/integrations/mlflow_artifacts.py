@@ -38,8 +38,8 @@ class RaydeckArtifactsRepository(MlflowArtifactsRepository):
 # When this module is the first to import MLflow's artifact registry (a process that imports it
 # before MLflow), the registry loads its entry points while this module is half imported, cannot
 # find the class (MLflow warns "partially initialized module"), and keeps its own repository for
-# the scheme: register it now that the class exists.
-if artifact_repository_registry.get_registered_artifact_repositories().get(
-        "mlflow-artifacts") is not RaydeckArtifactsRepository:
-    artifact_repository_registry._artifact_repository_registry.register(
-        "mlflow-artifacts", RaydeckArtifactsRepository)
+# the scheme: register it now that the class exists. (In the usual order, MLflow's registry is
+# the one half imported here, loading this entry point; ``_artifact_repository_registry`` exists
+# by then, its module-level helpers below it do not.)
+artifact_repository_registry._artifact_repository_registry.register(
+    "mlflow-artifacts", RaydeckArtifactsRepository)
