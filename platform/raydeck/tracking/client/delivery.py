@@ -338,6 +338,8 @@ class Delivery(SendBuffer):
             started = time.monotonic()
             if self._closed.is_set():
                 return
+            if not ray.is_initialized():
+                continue  # Ray was shut down here: a call would start a new one (auto-init)
             if self._binding is None and self.attach(ROUTER_CALL_TIMEOUT_S) is None:
                 self._closed.wait(self._retry_max_s)
                 continue

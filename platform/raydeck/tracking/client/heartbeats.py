@@ -93,7 +93,10 @@ class ProcessHeartbeat:
 
     def beat(self) -> None:
         """One round: read the answers that came, send one call per router that has none
-        outstanding."""
+        outstanding. Nothing while Ray is shut down in this process (a call would start a
+        new one)."""
+        if not ray.is_initialized():
+            return
         with self._lock:
             members = list(self._members.values())
         groups: dict[str, tuple[Any, list[HeartbeatMember]]] = {}
