@@ -101,6 +101,32 @@ def test_a_driver_exiting_without_finish_ends_its_run(ray_cluster: None, mlflow_
     assert metric_steps(mlflow_client, run_id, "x") == [0]
 
 
+@pytest.mark.timeout(120)
+def test_a_tracker_left_open_after_ray_shutdown_never_starts_ray_again(ray_cluster: None
+                                                                       ) -> None:
+    """A process that shut Ray down with a tracker still open (a notebook's ``ray.shutdown()``,
+    a test session's end): neither the tracker's flusher nor the process's heartbeat calls Ray,
+    which would start or join a Ray of its own (Ray's auto-init); what it logs stays buffered.
+    The driver watches for 4 s: several flush rounds and heartbeats (1 s apart in tests)."""
+    proc = driver_process(LOGGING_DRIVER.format(key="x") + """
+    import os
+    import time
+
+    import ray
+
+    ray.shutdown()
+    tracker.log_metric("x", 2.0, step=1)
+    deadline = time.monotonic() + 4
+    while time.monotonic() < deadline and not ray.is_initialized():
+        time.sleep(0.1)
+    print("INITIALIZED", ray.is_initialized(), tracker._open_delivery.buffered().points,
+          flush=True)
+    os._exit(0)  # no exit hooks: this test is about the threads alone
+    """)
+    assert read_line_with(proc, "INITIALIZED ").split() == ["False", "1"]
+    assert proc.wait(60) == 0
+
+
 @pytest.mark.timeout(300)
 def test_a_killed_driver_leaves_its_run_killed_not_running(ray_cluster: None, mlflow_client: Any
                                                            ) -> None:

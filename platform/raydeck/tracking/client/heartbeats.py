@@ -66,6 +66,7 @@ class ProcessHeartbeat:
         # router actor id -> (the unanswered call, the members it named); the thread's own
         self._pending: dict[str, tuple[Any, list[HeartbeatMember]]] = {}
         self._thread: threading.Thread | None = None
+        self._joined = threading.Event()
 
     def join(self, member: HeartbeatMember) -> None:
         with self._lock:
@@ -74,18 +75,25 @@ class ProcessHeartbeat:
                 self._thread = threading.Thread(target=self._forever, daemon=True,
                                                 name="raydeck-heartbeat")
                 self._thread.start()
+        self._joined.set()  # a new member may want a shorter interval than the thread sleeps
 
     def leave(self, member: HeartbeatMember) -> None:
         with self._lock:
             self._members.pop(member.client_id, None)
 
     def _forever(self) -> None:
-        """Lives as long as the process (a daemon); idle while no tracker is a member."""
+        """Lives as long as the process (a daemon); idle while no tracker is a member. Beats
+        every member's shortest interval, counted from the last beat; a member joining wakes it
+        to count again (one that wants 1 s must not wait out another's 3,600)."""
+        last = time.monotonic()
         while True:
             with self._lock:
                 interval = min((m.heartbeat_interval_s for m in self._members.values()),
                                default=DEFAULT_INTERVAL_S)
-            time.sleep(interval)
+            if self._joined.wait(max(0.0, last + interval - time.monotonic())):
+                self._joined.clear()
+                continue
+            last = time.monotonic()
             try:
                 self.beat()
             except Exception as exc:
